@@ -1,0 +1,25 @@
+"""Packaging for paddlefleet-tilelang-ops.
+
+Runtime dependencies are the Paddle stack (paddlepaddle, or paddlepaddle-gpu on CUDA machines,
+and tilelang-paddle, Paddle's build of TileLang) plus numpy.  The PyTorch validation environment
+(mainline ``tilelang`` + ``torch``) is described in README.md; it cannot share an environment
+with tilelang-paddle because both install the top-level ``tilelang`` package.
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="paddlefleet-tilelang-ops",
+    version="0.1.0",
+    description="Deterministic TileLang sparse MQA-latent attention (DSA) kernels with an attention sink for Paddle training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    package_dir={"": "src"},
+    # `paddlefleet` is a namespace package so that we can live beside PaddleFleet itself.
+    packages=find_namespace_packages(where="src", include=["paddlefleet.*"]),
+    install_requires=["numpy", "tqdm", "paddlepaddle>=3.3", "tilelang-paddle>=0.1.13"],
+    extras_require={
+        "test": ["pytest"],
+    },
+)
