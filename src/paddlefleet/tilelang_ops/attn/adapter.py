@@ -71,6 +71,8 @@ class TensorOps:
     def amax(self, t, axis=None, keepdim: bool = False): ...
     def amin(self, t, axis=None, keepdim: bool = False): ...
     def exp(self, t): ...
+    def log(self, t): ...
+    def expm1(self, t): ...
     def where(self, cond, a, b): ...
     def einsum(self, eq: str, *ts): ...
     def gather_rows(self, src, index):
@@ -83,6 +85,10 @@ class TensorOps:
 def _canon(name: str) -> str:
     # "paddle.bfloat16" / "torch.bfloat16" / "paddle.float32" -> "bfloat16" / "float32"
     return str(name).rsplit(".", 1)[-1]
+
+
+# log of the smallest normal number: exp below this is subnormal (or 0) in IEEE arithmetic.
+_LOG_TINY = {"float32": -87.33654475055310898657, "float64": -708.39641853226410622}
 
 
 class _PaddleOps(TensorOps):
@@ -145,10 +151,11 @@ class _PaddleOps(TensorOps):
         return self.p.reshape(t, list(shape))
 
     def logaddexp(self, a, b):
-        # paddle.logaddexp(-inf, -inf) is NaN (3.3.1); shift by a finite max so it is -inf.
+        # paddle.logaddexp(-inf, -inf) is NaN (3.3.1); shift by a finite max so it is -inf
+        # (this relies on the guarded exp below: exp(-inf) must be exactly 0).
         m = self.p.maximum(a, b)
         m = self.p.where(self.p.isinf(m), self.p.zeros_like(m), m)
-        return m + self.p.log(self.p.exp(a - m) + self.p.exp(b - m))
+        return m + self.p.log(self.exp(a - m) + self.exp(b - m))
 
     def sum(self, t, axis=None, keepdim=False):
         return self.p.sum(t, axis=axis, keepdim=keepdim)
@@ -160,7 +167,22 @@ class _PaddleOps(TensorOps):
         return self.p.amin(t, axis=axis, keepdim=keepdim)
 
     def exp(self, t):
-        return self.p.exp(t)
+        # Paddle 3.3.1's vectorised CPU exp does not underflow to 0: below log(tiny) (-inf
+        # included) it returns a constant near tiny/4 (2.9e-39 fp32, 5.6e-309 fp64), which
+        # turns log(sum(exp(-inf))) into -88/-708 instead of -inf.  Flush those to 0.
+        out = self.p.exp(t)
+        dt = self.dtype(t)
+        if dt in _LOG_TINY:
+            under = t < _LOG_TINY[dt]
+        else:
+            under = t == float("-inf")
+        return self.p.where(under, self.p.zeros_like(out), out)
+
+    def log(self, t):
+        return self.p.log(t)
+
+    def expm1(self, t):
+        return self.p.expm1(t)
 
     def where(self, cond, a, b):
         return self.p.where(cond, a, b)
@@ -247,6 +269,12 @@ class _TorchOps(TensorOps):
 
     def exp(self, t):
         return self.t.exp(t)
+
+    def log(self, t):
+        return self.t.log(t)
+
+    def expm1(self, t):
+        return self.t.expm1(t)
 
     def where(self, cond, a, b):
         return self.t.where(cond, a, b)

@@ -1,0 +1,99 @@
+"""Causal top-k indices for tests, benchmarks and demos.
+
+In DeepSeek Sparse Attention the indexer picks, for every query row, the ``topk`` keys it will
+attend to; causality is carried by that choice alone (``docs/conventions.md``, "Causality").
+The indexer itself is out of scope, so :func:`causal_topk_indices` stands in for it with a
+uniformly random choice of distinct causal keys.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["causal_topk_indices"]
+
+# Rows drawn per step: bounds the [B, rows, max(S_kv, topk)] float32 random block (~64 MiB).
+_ROW_BUDGET_ELEMS = 16 << 20
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive Python int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return int(value)
+
+
+def causal_topk_indices(
+    batch: int,
+    seq_len: int,
+    seq_len_kv: int,
+    topk: int,
+    *,
+    seed: int = 0,
+    dtype: str = "int32",
+) -> np.ndarray:
+    """Random causal top-k key indices, as a DSA indexer would hand them to the kernels.
+
+    Query row ``s`` sits at absolute position ``p = seq_len_kv - seq_len + s`` and may see keys
+    ``0 .. p``.  Each row holds ``min(topk, p + 1)`` distinct keys drawn uniformly from those,
+    in random order, followed by ``-1`` padding up to ``topk`` (only early rows, when
+    ``p + 1 < topk``).  The same arguments always give the same array.
+
+    Args:
+        batch: ``B >= 1``.
+        seq_len: query rows ``S >= 1``.
+        seq_len_kv: key rows ``S_kv >= S``.
+        topk: slots per row ``L >= 1`` (may exceed ``S_kv``; the surplus is ``-1``).
+        seed: seed of ``numpy.random.default_rng``.
+        dtype: ``"int32"`` or ``"int64"``.
+
+    Returns:
+        ``numpy.ndarray [B, S, topk]`` of ``dtype``.
+
+    Raises:
+        TypeError: a size or ``seed`` is not an int, or ``dtype`` is not a string.
+        ValueError: a size is not positive, ``seq_len_kv < seq_len``, or ``dtype`` is not
+            int32/int64.
+    """
+    B = _positive_int(batch, "batch")
+    S = _positive_int(seq_len, "seq_len")
+    S_kv = _positive_int(seq_len_kv, "seq_len_kv")
+    L = _positive_int(topk, "topk")
+    if S_kv < S:
+        raise ValueError(
+            f"seq_len_kv: expected seq_len_kv >= seq_len={S} (queries are the last seq_len "
+            f"positions), got {S_kv}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
+    if dtype not in ("int32", "int64"):
+        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+
+    rng = np.random.default_rng(int(seed))
+    width = max(S_kv, L)
+    out = np.empty((B, S, L), dtype=dtype)
+    keys = np.arange(width)
+    step = max(1, _ROW_BUDGET_ELEMS // (B * width))
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        pos = S_kv - S + np.arange(s0, s1)  # absolute positions of these query rows
+        # One uniform key per (row, key); keys a row may not see get 2.0 (> any uniform), so
+        # the L smallest are a uniform random subset of the visible keys, then the invisible.
+        r = rng.random((B, s1 - s0, width), dtype=np.float32)
+        hidden = keys[None, None, :] > pos[None, :, None]
+        r[np.broadcast_to(hidden, r.shape)] = 2.0
+        if L < width:
+            pick = np.argpartition(r, L - 1, axis=-1)[..., :L]
+        else:
+            pick = np.broadcast_to(keys, r.shape).copy()
+        # Order the picked keys by their random values: a uniformly random order, hidden last.
+        order = np.argsort(np.take_along_axis(r, pick, axis=-1), axis=-1, kind="stable")
+        pick = np.take_along_axis(pick, order, axis=-1)
+        pick[pick > pos[None, :, None]] = -1
+        out[:, s0:s1] = pick
+    return out

@@ -1,0 +1,289 @@
+"""The exact definition of sparse MQA-latent attention with an attention sink.
+
+This module is the executable form of ``docs/conventions.md``: every kernel, host wrapper and
+Paddle op in the package is tested against it.  It runs on any framework and device the
+adapter knows (Paddle on CPU in CI, PyTorch on CUDA on the GPU host), in float32 by default or
+float64 on request, and never materialises more than a bounded slice of the problem: query rows
+are processed in chunks whose gathered keys and per-slot gradient terms fit in
+``_CHUNK_BYTES`` (256 MiB by default; the temporaries of one chunk stay well under 1 GiB).
+
+Sources of the conventions: DeepSeek Sparse Attention (top-k keys per query row) from the
+DeepSeek-V3.2 report, in MLA's absorbed MQA form; the sink-exclusive natural-log LSE is the
+one FlashMLA's sparse prefill returns; the sink is the learned per-head softmax column with a
+zero value of Xiao et al. (arXiv:2309.17453) and gpt-oss.
+
+Public functions:
+    sparse_mqa_fwd_ref, sparse_mqa_bwd_ref, lse_natural_to_log2_sink, lse_log2_sink_to_natural
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .adapter import framework_of, ops_for
+from .checks import check_compute_dtype, check_sm_scale, validate_inputs
+
+__all__ = [
+    "sparse_mqa_fwd_ref",
+    "sparse_mqa_bwd_ref",
+    "lse_natural_to_log2_sink",
+    "lse_log2_sink_to_natural",
+]
+
+#: Bytes of per-row intermediates one chunk may hold (tests shrink it to force many chunks).
+_CHUNK_BYTES = 256 << 20
+
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+_NEG_INF = float("-inf")
+
+# Any float dtype may come in (bf16 too: it is cast before any arithmetic, since Paddle's CPU
+# build has no bf16 math); sink and lse may be fp32 or fp64 here.
+_REF_FLOATS = ("bfloat16", "float16", "float32", "float64")
+_REF_AUX = ("float32", "float64")
+
+
+def _chunk_rows(dims, dtype: str, backward: bool) -> int:
+    """Query rows per chunk so that one chunk's intermediates fit in ``_CHUNK_BYTES``."""
+    itemsize = 8 if dtype == "float64" else 4
+    # Per query row: the gathered keys [L, Dk], scores/probabilities [H, L] (a few of them) and,
+    # in backward, the per-slot dKV terms [L, Dk] and [L, Dv] before the scatter.
+    per_row = dims.L * dims.Dk + 4 * dims.H * dims.L + dims.H * (dims.Dk + dims.Dv)
+    if backward:
+        per_row += dims.L * (2 * dims.Dk + dims.Dv) + 3 * dims.H * dims.L
+    per_row *= dims.B * itemsize
+    return max(1, min(dims.S, _CHUNK_BYTES // per_row))
+
+
+def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
+    """Probabilities of one chunk of query rows.
+
+    Returns ``(kv_g, safe, P, lse, lse_safe)``: gathered keys ``[B, c, L, Dk]``, the indices with
+    ``-1`` replaced by 0 ``[B, c, L]``, ``P [B, c, H, L]`` (0 on ``-1`` slots), the sink-exclusive natural LSE
+    ``[B, c, H]`` (``-inf`` without keys) and the sink-inclusive one (``lse`` itself without a
+    sink) with ``-inf`` replaced by 0.
+    """
+    valid = idx_c >= 0
+    # -1 is never dereferenced: gather row 0 instead and mask its score to -inf.
+    safe = ops.where(valid, idx_c, ops.zeros(ops.shape(idx_c), ops.dtype(idx_c), idx_c))
+    kv_g = ops.gather_rows(kv_c, safe)
+    dt = ops.dtype(q_c)
+    scores = ops.einsum("bshd,bsld->bshl", q_c, kv_g) * sm_scale
+    B, c, L = ops.shape(idx_c)
+    valid4 = ops.reshape(valid, (B, c, 1, L))
+    neg_inf = ops.full((1,), _NEG_INF, dt, q_c)
+    scores = ops.where(valid4, scores, neg_inf)
+    zero = ops.zeros((1,), dt, q_c)
+    m = ops.amax(scores, axis=-1, keepdim=True)
+    m = ops.where(m > _NEG_INF, m, zero)  # all-masked row: shift by 0, exp(-inf) = 0
+    lse = ops.log(ops.sum(ops.exp(scores - m), axis=-1)) + ops.reshape(m, (B, c, dims.H))
+    lse_total = lse if sink_c is None else ops.logaddexp(lse, sink_c)
+    # lse_total = -inf only for a row with no key and no sink: every P is 0 there, and
+    # exp(s - lse_total) would be exp(-inf + inf) = NaN, so subtract a finite 0 instead.
+    lse_safe = ops.where(lse_total > _NEG_INF, lse_total, zero)
+    P = ops.exp(scores - ops.reshape(lse_safe, (B, c, dims.H, 1)))
+    return kv_g, safe, P, lse, lse_safe
+
+
+def _prepare(query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=None):
+    dims = validate_inputs(
+        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, grad_out=grad_out,
+        float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX,
+    )
+    sm_scale = check_sm_scale(sm_scale)
+    dtype = check_compute_dtype(dtype)
+    ops = ops_for(query, kv, token_indices, attn_sink, grad_out)
+    kv_c = ops.cast(kv, dtype)
+    sink_c = None if attn_sink is None else ops.cast(attn_sink, dtype)
+    return dims, sm_scale, dtype, ops, kv_c, sink_c
+
+
+def sparse_mqa_fwd_ref(
+    query: Any,
+    kv: Any,
+    token_indices: Any,
+    sm_scale: float,
+    attn_sink: Any = None,
+    d_v: int = 512,
+    dtype: str = "float32",
+):
+    """Reference forward of sparse MQA-latent attention (``docs/conventions.md``, "Forward").
+
+    Args:
+        query: ``[B, S, H, Dk]`` any float dtype (bf16 allowed; cast to ``dtype`` first).
+        kv: ``[B, S_kv, Dk]`` same dtype as ``query``; the value is ``kv[..., :d_v]``.
+        token_indices: ``[B, S, L]`` int32/int64, ``-1`` for an empty slot, else in
+            ``[0, S_kv)``.
+        sm_scale: multiplies ``q.k`` only (not the sink).
+        attn_sink: ``[H]`` float32/float64 sink logits (raw, not scaled), or ``None``.
+        d_v: value width ``Dv``, ``1 <= d_v <= Dk``.
+        dtype: compute and output dtype, ``"float32"`` or ``"float64"``.
+
+    Returns:
+        ``(out, lse)``: ``out [B, S, H, Dv]`` and ``lse [B, S, H]``, both in ``dtype``, on the
+        inputs' device and framework.  ``lse`` is the natural-log, sink-exclusive LSE of the
+        scaled scores, ``-inf`` for a row with no valid key (whose ``out`` is 0).
+
+    Raises:
+        TypeError, ValueError: bad input, see :func:`checks.validate_inputs`; ``sm_scale`` not a
+        finite real; ``dtype`` not ``"float32"``/``"float64"``.
+    """
+    dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
+        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype
+    )
+    step = _chunk_rows(dims, dtype, backward=False)
+    outs, lses = [], []
+    for s0 in range(0, dims.S, step):
+        s1 = min(dims.S, s0 + step)
+        q_c = ops.cast(query[:, s0:s1], dtype)
+        idx_c = token_indices[:, s0:s1]
+        kv_g, _, P, lse, _ = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
+        outs.append(ops.einsum("bshl,bsld->bshd", P, kv_g[..., : dims.Dv]))
+        lses.append(lse)
+    return ops.concat(outs, axis=1), ops.concat(lses, axis=1)
+
+
+def sparse_mqa_bwd_ref(
+    query: Any,
+    kv: Any,
+    grad_out: Any,
+    token_indices: Any,
+    sm_scale: float,
+    attn_sink: Any = None,
+    d_v: int = 512,
+    dtype: str = "float32",
+):
+    """Reference backward (``docs/conventions.md``, "Backward"), written out explicitly.
+
+    Recomputes the forward probabilities chunk by chunk, then per row and head:
+    ``Delta = <out, grad_out>``, ``dP_l = <grad_out, v_l>``, ``dS_l = P_l (dP_l - Delta)``,
+    ``dq = sm_scale sum_l dS_l kv_l``, ``dkv[i_l] += sm_scale dS_l q + [P_l grad_out, 0]``
+    (the last ``Dk - Dv`` columns get no value term) and ``d_sink[h] = -sum P_sink Delta``.
+
+    Args:
+        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype: as in
+            :func:`sparse_mqa_fwd_ref`.
+        grad_out: ``[B, S, H, Dv]`` float, gradient of the loss with respect to ``out``.
+
+    Returns:
+        ``(dq [B, S, H, Dk], dkv [B, S_kv, Dk], d_sink [H])`` in ``dtype``; ``dkv`` sums over
+        every head and query row that selected a key (duplicates count separately); ``d_sink``
+        is zeros when ``attn_sink`` is ``None``.  Rows with no valid key contribute 0.
+
+    Raises:
+        TypeError, ValueError: as :func:`sparse_mqa_fwd_ref`, plus ``grad_out`` checks.
+    """
+    dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
+        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=grad_out
+    )
+    B, H, Dk, Dv = dims.B, dims.H, dims.Dk, dims.Dv
+    step = _chunk_rows(dims, dtype, backward=True)
+    dqs = []
+    dkv = ops.zeros((B, dims.S_kv, Dk), dtype, kv_c)
+    d_sink = ops.zeros((H,), dtype, kv_c)
+    for s0 in range(0, dims.S, step):
+        s1 = min(dims.S, s0 + step)
+        c = s1 - s0
+        q_c = ops.cast(query[:, s0:s1], dtype)
+        do_c = ops.cast(grad_out[:, s0:s1], dtype)
+        idx_c = token_indices[:, s0:s1]
+        kv_g, safe, P, _, lse_safe = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
+        v_g = kv_g[..., :Dv]
+        out_c = ops.einsum("bshl,bsld->bshd", P, v_g)
+        delta = ops.sum(out_c * do_c, axis=-1)  # [B, c, H]
+        dP = ops.einsum("bshd,bsld->bshl", do_c, v_g)
+        dS = P * (dP - ops.reshape(delta, (B, c, H, 1)))
+        dqs.append(ops.einsum("bshl,bsld->bshd", dS, kv_g) * sm_scale)
+        term_qk = ops.einsum("bshl,bshd->bsld", dS, q_c) * sm_scale  # [B, c, L, Dk]
+        term_v = ops.einsum("bshl,bshd->bsld", P, do_c)  # [B, c, L, Dv]
+        if Dv < Dk:
+            pad = ops.zeros((B, c, dims.L, Dk - Dv), dtype, term_v)
+            term_v = ops.concat([term_v, pad], axis=-1)
+        # -1 slots have P = dS = 0 exactly, so adding their (zero) terms at row 0 is harmless.
+        dkv = ops.scatter_add_rows(dkv, safe, term_qk + term_v)
+        if sink_c is not None:
+            p_sink = ops.exp(sink_c - lse_safe)  # [B, c, H]; lse_safe is finite with a sink
+            d_sink = d_sink - ops.sum(ops.reshape(p_sink * delta, (B * c, H)), axis=0)
+    return ops.concat(dqs, axis=1), dkv, d_sink
+
+
+def _check_bridge(lse: Any, attn_sink: Any, lse_name: str):
+    if framework_of(lse) is None:
+        raise TypeError(
+            f"{lse_name}: expected a paddle.Tensor or torch.Tensor, got {type(lse).__name__}"
+        )
+    ops = ops_for(lse, attn_sink)
+    dt = ops.dtype(lse)
+    if dt not in ("float32", "float64"):
+        raise TypeError(f"{lse_name}: expected dtype float32 or float64, got {dt}")
+    shape = ops.shape(lse)
+    if len(shape) < 1:
+        raise ValueError(f"{lse_name}: expected shape [..., H], got a 0-d tensor")
+    if attn_sink is None:
+        return ops, None
+    sink_shape = ops.shape(attn_sink)
+    if sink_shape != (shape[-1],):
+        raise ValueError(
+            f"attn_sink: expected shape [H] with H={shape[-1]} (last dim of {lse_name}), got "
+            f"{list(sink_shape)}"
+        )
+    sdt = ops.dtype(attn_sink)
+    if sdt not in ("float32", "float64"):
+        raise TypeError(f"attn_sink: expected dtype float32 or float64, got {sdt}")
+    return ops, ops.cast(attn_sink, dt)
+
+
+def lse_natural_to_log2_sink(lse: Any, attn_sink: Any = None):
+    """Natural sink-exclusive LSE -> base-2 sink-inclusive LSE (``docs/conventions.md``).
+
+    ``lse2 = log2(e) * logaddexp(lse, attn_sink[h])`` with a sink, ``log2(e) * lse`` without.
+
+    Args:
+        lse: ``[..., H]`` float32/float64, natural log, ``-inf`` for rows without keys.
+        attn_sink: ``[H]`` float32/float64 or ``None``.
+
+    Returns:
+        ``lse2``, same shape and dtype as ``lse``; ``-inf`` only without a sink and keys.
+
+    Raises:
+        TypeError: non-tensor input, or a non-fp32/fp64 dtype.
+        ValueError: ``attn_sink`` not ``[H]`` with ``H = lse.shape[-1]``.
+    """
+    ops, sink = _check_bridge(lse, attn_sink, "lse")
+    total = lse if sink is None else ops.logaddexp(lse, sink)
+    return total * _LOG2E
+
+
+def lse_log2_sink_to_natural(lse2: Any, attn_sink: Any = None):
+    """Base-2 sink-inclusive LSE -> natural sink-exclusive LSE; inverse of
+    :func:`lse_natural_to_log2_sink`.
+
+    With a sink: ``total = lse2 * ln 2`` and ``lse = total + log(-expm1(sink - total))``
+    (``expm1`` keeps precision when the keys weigh little next to the sink); a row whose
+    total is the sink alone (``sink - total >= 0`` after rounding) gives ``-inf``, as does a
+    ``-inf`` sink over a ``-inf`` total.  Without a sink: ``lse = lse2 * ln 2``.
+
+    Args:
+        lse2: ``[..., H]`` float32/float64.
+        attn_sink: ``[H]`` float32/float64 or ``None``.
+
+    Returns:
+        ``lse``, same shape and dtype as ``lse2``.
+
+    Raises:
+        TypeError, ValueError: as :func:`lse_natural_to_log2_sink`.
+    """
+    ops, sink = _check_bridge(lse2, attn_sink, "lse2")
+    total = lse2 * _LN2
+    if sink is None:
+        return total
+    dt = ops.dtype(lse2)
+    zero = ops.zeros((1,), dt, lse2)
+    gap = sink - total  # <= 0 mathematically: the total includes the sink
+    # -inf sink (pad heads): the total is the keys alone.
+    finite_sink = sink > _NEG_INF
+    gap = ops.where(finite_sink, gap, ops.full((1,), _NEG_INF, dt, lse2))
+    gap = ops.where(gap > zero, zero, gap)
+    # gap == NaN can only come from total = +inf or -inf with a finite sink: leave it as is.
+    return total + ops.log(-ops.expm1(gap))
