@@ -1,0 +1,241 @@
+"""Model configuration for DeepSeek-V3.2-style MLA/DSA attention (:class:`MQALatentAttention`).
+
+:class:`MLAAttentionConfig` holds the sizes of one attention block in the form the DeepSeek-V3
+/ V3.2 model configs publish them (``hidden_size``, ``num_attention_heads``, ``q_lora_rank``,
+``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``index_topk``)
+plus what this package adds (attention sink, backward backend, tensor-parallel degree).
+
+What the sparse kernel sees (absorbed MLA, MQA form; see docs/conventions.md):
+    Dk = kv_lora_rank + qk_rope_head_dim   (576 for DeepSeek-V3.2: 512 latent + 64 rope)
+    Dv = kv_lora_rank                      (512 for DeepSeek-V3.2)
+The per-head up-projections W_UK (qk_nope_head_dim -> kv_lora_rank) and W_UV (kv_lora_rank ->
+v_head_dim) are absorbed into the query and applied after the attention respectively, so every
+head attends over the same latent kv row.  :attr:`MLAAttentionConfig.kernel_dk` and
+:attr:`MLAAttentionConfig.kernel_dv` give these sizes.
+
+The config is validated when it is built: a bad field raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+__all__ = ["MLAAttentionConfig", "BACKWARD_BACKENDS", "PRESETS", "get_preset", "load_config"]
+
+#: Backward implementations :func:`~paddlefleet.tilelang_ops.attn.op.sparse_mqa_attention`
+#: accepts; ``None`` picks ``"tilelang"`` on CUDA and ``"reference"`` on CPU.
+BACKWARD_BACKENDS = ("tilelang", "reference")
+
+_POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_topk",
+    "tensor_parallel_degree",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAAttentionConfig:
+    """Sizes and options of one DeepSeek-V3.2-style sparse MLA attention block.
+
+    Attributes:
+        hidden_size: model width (input and output features of the block).
+        num_attention_heads: query heads over all tensor-parallel ranks.
+        q_lora_rank: width of the low-rank query latent (q down-projection output).
+        kv_lora_rank: width of the shared kv latent; the kernel's ``Dv``.
+        qk_nope_head_dim: per-head query/key width without position encoding.
+        qk_rope_head_dim: per-head (query) / shared (key) rotary width.
+        v_head_dim: per-head value width after the W_UV up-projection.
+        index_topk: keys each query row attends to (DSA top-k, ``L``).
+        softmax_scale: multiplies ``q.k``; ``None`` means ``(qk_nope_head_dim +
+            qk_rope_head_dim) ** -0.5``, the scale of the un-absorbed head (DeepSeek-V3's YaRN
+            ``mscale`` correction is not applied).  Read the resolved value from
+            :attr:`sm_scale`.
+        use_attn_sink: learn a per-head sink logit (docs/conventions.md).
+        backward_backend: ``"tilelang"``, ``"reference"`` or ``None`` (tilelang on CUDA,
+            reference on CPU).
+        tensor_parallel_degree: ranks the heads are split over; must divide the heads.
+        rope_theta: base of the rotary frequencies.
+        rms_norm_eps: epsilon of the RMSNorms on the q and kv latents.
+        initializer_range: standard deviation of the random weight initialisation.
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_topk: int
+    softmax_scale: float | None = None
+    use_attn_sink: bool = True
+    backward_backend: str | None = None
+    tensor_parallel_degree: int = 1
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        for name in _POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MLAAttentionConfig.{name} must be a positive int, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                "MLAAttentionConfig.qk_rope_head_dim must be even (rotary pairs), got "
+                f"{self.qk_rope_head_dim}"
+            )
+        if self.num_attention_heads % self.tensor_parallel_degree:
+            raise ValueError(
+                "MLAAttentionConfig.num_attention_heads must be divisible by "
+                f"tensor_parallel_degree, got {self.num_attention_heads} heads and "
+                f"tensor_parallel_degree={self.tensor_parallel_degree}"
+            )
+        if self.backward_backend is not None and self.backward_backend not in BACKWARD_BACKENDS:
+            raise ValueError(
+                f"MLAAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} or None, "
+                f"got {self.backward_backend!r}"
+            )
+        if self.softmax_scale is not None and not (
+            isinstance(self.softmax_scale, (int, float))
+            and not isinstance(self.softmax_scale, bool)
+            and self.softmax_scale > 0
+        ):
+            raise ValueError(
+                f"MLAAttentionConfig.softmax_scale must be a positive number or None, got "
+                f"{self.softmax_scale!r}"
+            )
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(
+                    f"MLAAttentionConfig.{name} must be a positive number, got {value!r}"
+                )
+        if not isinstance(self.use_attn_sink, bool):
+            raise ValueError(
+                f"MLAAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
+            )
+
+    # --- derived sizes -----------------------------------------------------------------------
+    @property
+    def sm_scale(self) -> float:
+        """The resolved softmax scale (``softmax_scale`` or ``(nope + rope) ** -0.5``)."""
+        if self.softmax_scale is not None:
+            return float(self.softmax_scale)
+        return float((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5)
+
+    @property
+    def kernel_dk(self) -> int:
+        """Absorbed query/key width the kernel sees: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kernel_dv(self) -> int:
+        """Value width the kernel sees: ``kv_lora_rank`` (the latent, before W_UV)."""
+        return self.kv_lora_rank
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_attention_heads // self.tensor_parallel_degree
+
+    # --- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MLAAttentionConfig":
+        """Build from a mapping; unknown keys raise ``ValueError`` naming them (a typo in a
+        JSON file should not be silently ignored)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"MLAAttentionConfig.from_dict expects a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"MLAAttentionConfig: unknown field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in data
+        )
+        if missing:
+            raise ValueError(f"MLAAttentionConfig: missing required field(s) {missing}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "MLAAttentionConfig":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return cls.from_dict(data)
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    def replace(self, **changes) -> "MLAAttentionConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: Published attention sizes of DeepSeek-V3.2-Exp (its ``config.json``: hidden 7168, 128 heads,
+#: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head_dim 128, index_topk 2048).
+_DEEPSEEK_V32 = dict(
+    hidden_size=7168,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    index_topk=2048,
+    use_attn_sink=True,
+    backward_backend="tilelang",
+)
+
+#: Same structure, tiny sizes, for CPU runs: 16 heads (2 per rank at TP=8), Dk = 64 + 16 = 80,
+#: Dv = 64.  Steps take well under a second on 2 cores.
+_DEEPSEEK_V32_SMALL = dict(
+    hidden_size=256,
+    num_attention_heads=16,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    index_topk=64,
+    use_attn_sink=True,
+    backward_backend="reference",
+)
+
+PRESETS: dict = {"deepseek_v32": _DEEPSEEK_V32, "deepseek_v32_small": _DEEPSEEK_V32_SMALL}
+
+
+def get_preset(name: str, **overrides) -> MLAAttentionConfig:
+    """A preset by name (``"deepseek_v32"`` or ``"deepseek_v32_small"``), fields overridable."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return MLAAttentionConfig.from_dict({**PRESETS[name], **overrides})
+
+
+def load_config(name_or_path: str | os.PathLike, **overrides) -> MLAAttentionConfig:
+    """A preset name or a path to a JSON file (e.g. ``configs/deepseek_v32.json``)."""
+    s = os.fspath(name_or_path)
+    if s in PRESETS:
+        return get_preset(s, **overrides)
+    if os.path.isfile(s):
+        cfg = MLAAttentionConfig.from_json_file(s)
+        return cfg.replace(**overrides) if overrides else cfg
+    raise ValueError(
+        f"config {s!r} is neither a preset ({sorted(PRESETS)}) nor an existing JSON file"
+    )

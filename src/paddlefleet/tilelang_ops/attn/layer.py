@@ -1,0 +1,259 @@
+"""Tensor-parallel DeepSeek-V3.2-style sparse MLA attention in absorbed (MQA) form.
+
+:class:`MQALatentAttention` is one attention block of MLA (DeepSeek-V2, arXiv:2405.04434) with
+DeepSeek Sparse Attention (DeepSeek-V3.2 report): every query row attends to the top-k keys
+given by ``token_indices`` (the lightning indexer that picks them is out of scope; tests and
+demos use :func:`~paddlefleet.tilelang_ops.attn.indices.causal_topk_indices`).
+
+Data flow for ``x: [B, S, hidden]`` with ``h = heads / TP`` heads on this rank::
+
+    c_q  = RMSNorm(x @ wq_a)                      [B, S, q_lora]       replicated
+    q    = copy_to_tp(c_q) @ wq_b                 [B, S, h, nope+rope] column-parallel
+    q_lat = q_nope @ W_UK[h]                      [B, S, h, kv_lora]   W_UK absorbed
+    c_kv, k_pe = x @ wkv_a                        [B, S, kv_lora], [B, S, rope]  replicated
+    kv   = copy_to_tp([RMSNorm(c_kv), rope(k_pe)])  [B, S, Dk]         shared latent (MQA)
+    o_lat = sparse_mqa_attention([q_lat, rope(q_pe)], kv, token_indices, sink[h])
+                                                  [B, S, h, kv_lora]   (Dk = kv_lora + rope)
+    o    = o_lat @ W_UV[h]                        [B, S, h, v_head]    W_UV applied after
+    y    = reduce_from_tp(o.reshape(B, S, h*v_head) @ wo[h rows])  [B, S, hidden] row-parallel
+
+Absorption is exact: ``q_nope . (c_kv @ W_UK^T) = (q_nope @ W_UK) . c_kv`` per head, so the
+scores equal those of the un-absorbed head of width ``nope + rope`` and the default softmax
+scale is ``(nope + rope) ** -0.5``.  ``copy_to_tp`` (identity forward, all-reduce backward) sits
+on the replicated activations where the per-rank computation starts, so the gradients of the
+replicated weights (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) and of ``x`` are full and
+identical on every rank; the per-rank weights get exactly their slice of the single-process
+gradient.
+
+Simplifications (documented, not hidden):
+    * RoPE uses the rotate-half layout (first half / second half of the rope channels) with
+      positions ``0 .. S-1`` and base ``rope_theta``; DeepSeek uses interleaved pairs, which is
+      the same rotation after a fixed permutation of the rope output channels of ``wq_b`` and
+      ``wkv_a``.  No YaRN scaling.
+    * Self-attention over one sequence: keys are the same ``S`` positions (``S_kv = S``).
+
+Parameters are created in Paddle's default dtype (fp32); ``attn_sink`` is always fp32.  On
+CUDA the attention inputs are cast to bf16 (the kernel's dtype) and the output back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from .config import MLAAttentionConfig
+from .op import sparse_mqa_attention
+from .tp import (
+    copy_to_tensor_parallel,
+    default_tensor_parallel_group,
+    group_rank,
+    group_world_size,
+    reduce_from_tensor_parallel,
+)
+
+__all__ = ["MQALatentAttention", "init_full_weights", "shard_of", "SHARD_AXIS", "REPLICATED"]
+
+#: Per-rank parameters and the axis along which they are split by heads (head-major blocks).
+SHARD_AXIS = {"wq_b": 1, "w_uk": 0, "w_uv": 0, "wo": 0, "attn_sink": 0}
+#: Parameters every rank holds whole.
+REPLICATED = ("wq_a", "q_norm_weight", "wkv_a", "kv_norm_weight")
+
+
+def _full_shapes(cfg: MLAAttentionConfig) -> dict:
+    H = cfg.num_attention_heads
+    shapes = {
+        "wq_a": (cfg.hidden_size, cfg.q_lora_rank),
+        "q_norm_weight": (cfg.q_lora_rank,),
+        "wq_b": (cfg.q_lora_rank, H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
+        "wkv_a": (cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+        "kv_norm_weight": (cfg.kv_lora_rank,),
+        "w_uk": (H, cfg.qk_nope_head_dim, cfg.kv_lora_rank),
+        "w_uv": (H, cfg.kv_lora_rank, cfg.v_head_dim),
+        "wo": (H * cfg.v_head_dim, cfg.hidden_size),
+    }
+    if cfg.use_attn_sink:
+        shapes["attn_sink"] = (H,)
+    return shapes
+
+
+def _init_weights(cfg: MLAAttentionConfig, seed: int, head_lo: int, head_hi: int) -> dict:
+    """Weights for heads ``[head_lo, head_hi)``; replicated ones whole.
+
+    Every per-rank parameter is drawn head by head from its own generator
+    ``(seed, parameter, head)``, so a rank draws only its heads and gets exactly its slice of
+    the full weights (no rank materialises the whole model).
+    """
+    std = cfg.initializer_range
+    H = cfg.num_attention_heads
+    shapes = _full_shapes(cfg)
+    out = {}
+    for pid, (name, shape) in enumerate(shapes.items()):
+        if name in ("q_norm_weight", "kv_norm_weight"):
+            out[name] = np.ones(shape, np.float32)
+            continue
+        if name not in SHARD_AXIS:
+            out[name] = (np.random.default_rng([seed, pid]).standard_normal(shape) * std).astype(
+                np.float32
+            )
+            continue
+        axis = SHARD_AXIS[name]
+        block = list(shape)
+        block[axis] //= H
+        # The sink is a logit, not a weight: unit scale so it matters from step 0.
+        scale = 1.0 if name == "attn_sink" else std
+        blocks = [
+            np.random.default_rng([seed, pid, head]).standard_normal(block) * scale
+            for head in range(head_lo, head_hi)
+        ]
+        out[name] = np.concatenate(blocks, axis=axis).astype(np.float32)
+    return out
+
+
+def init_full_weights(config: MLAAttentionConfig, seed: int = 0) -> dict:
+    """The unsharded weights (numpy fp32, keyed by parameter name) a layer built with
+    ``seed`` holds, all heads.  Shapes: ``wq_a [hidden, q_lora]``, ``q_norm_weight [q_lora]``,
+    ``wq_b [q_lora, H*(nope+rope)]`` (head-major columns), ``wkv_a [hidden, kv_lora+rope]``,
+    ``kv_norm_weight [kv_lora]``, ``w_uk [H, nope, kv_lora]``, ``w_uv [H, kv_lora, v_head]``,
+    ``wo [H*v_head, hidden]`` (head-major rows), ``attn_sink [H]`` (with a sink)."""
+    return _init_weights(config, seed, 0, config.num_attention_heads)
+
+
+def shard_of(name: str, full: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """This rank's slice of a full parameter (or of its gradient); replicated ones whole."""
+    if name not in SHARD_AXIS:
+        return full
+    return np.split(np.asarray(full), world_size, axis=SHARD_AXIS[name])[rank]
+
+
+def _rms_norm(x, weight, eps):
+    var = paddle.mean(x * x, axis=-1, keepdim=True)
+    return x * paddle.rsqrt(var + eps) * weight
+
+
+def _rope(x, positions, theta):
+    """Rotate-half RoPE over the last dim of ``x [..., S, (h,) d]``; ``positions [S]``."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = np.outer(positions, inv_freq).astype(np.float32)  # [S, d/2]
+    cos = paddle.to_tensor(np.concatenate([np.cos(ang)] * 2, -1), place=x.place)
+    sin = paddle.to_tensor(np.concatenate([np.sin(ang)] * 2, -1), place=x.place)
+    if x.ndim == 4:  # [B, S, h, d]: broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    x1, x2 = paddle.split(x, 2, axis=-1)
+    rotated = paddle.concat([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+class MQALatentAttention(paddle.nn.Layer):
+    """DeepSeek-V3.2-style sparse MLA attention, heads split over a tensor-parallel group.
+
+    Args:
+        config: :class:`~paddlefleet.tilelang_ops.attn.config.MLAAttentionConfig`;
+            ``config.tensor_parallel_degree`` must equal the group's size.
+        group: the tensor-parallel group (a ``paddle.distributed`` group); ``None`` uses fleet's
+            model-parallel group when hybrid parallel is initialised, else the world group.
+        seed: seeds the weights (see :func:`init_full_weights`); equal seeds give every TP
+            degree the same model.
+
+    Forward:
+        hidden_states: ``[B, S, hidden_size]`` float (fp32 on CPU).
+        token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
+            (``L`` is usually ``config.index_topk``; causality is carried by the indices).
+        Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
+
+    Raises:
+        ValueError: ``config.tensor_parallel_degree`` differs from the group size.
+    """
+
+    def __init__(self, config: MLAAttentionConfig, group=None, seed: int = 0):
+        super().__init__()
+        if not isinstance(config, MLAAttentionConfig):
+            raise TypeError(f"config: expected MLAAttentionConfig, got {type(config).__name__}")
+        self.config = config
+        self.group = group if group is not None else default_tensor_parallel_group()
+        self.tp_size = group_world_size(self.group)
+        self.tp_rank = group_rank(self.group)
+        if self.tp_size != config.tensor_parallel_degree:
+            raise ValueError(
+                "config.tensor_parallel_degree must equal the tensor-parallel group size, got "
+                f"tensor_parallel_degree={config.tensor_parallel_degree} and a group of "
+                f"{self.tp_size} rank(s)"
+            )
+        self.num_local_heads = config.heads_per_rank
+        lo = self.tp_rank * self.num_local_heads
+        weights = _init_weights(config, seed, lo, lo + self.num_local_heads)
+        for name, value in weights.items():
+            dtype = "float32" if name == "attn_sink" else paddle.get_default_dtype()
+            param = self.create_parameter(
+                shape=list(value.shape),
+                dtype=dtype,
+                default_initializer=paddle.nn.initializer.Assign(value),
+            )
+            setattr(self, name, param)
+        if not config.use_attn_sink:
+            self.attn_sink = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"heads={c.num_attention_heads}, local_heads={self.num_local_heads}, "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, Dk={c.kernel_dk}, Dv={c.kernel_dv}, "
+            f"v_head_dim={c.v_head_dim}, topk={c.index_topk}, sink={c.use_attn_sink}"
+        )
+
+    def load_full_weights(self, full: dict) -> None:
+        """Copy unsharded weights (numpy, :func:`init_full_weights` layout) into this rank's
+        parameters, slicing the per-rank ones."""
+        for name, param in self.named_parameters():
+            if name not in full:
+                raise ValueError(f"load_full_weights: missing weight {name!r}")
+            value = shard_of(name, full[name], self.tp_rank, self.tp_size)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
+                    f"expects {list(param.shape)}"
+                )
+            param.set_value(np.asarray(value, dtype=np.float32).astype(param.numpy().dtype))
+
+    def forward(self, hidden_states: paddle.Tensor, token_indices: paddle.Tensor) -> paddle.Tensor:
+        c = self.config
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
+            raise ValueError(
+                f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got shape "
+                f"{list(hidden_states.shape)}"
+            )
+        B, S, _ = hidden_states.shape
+        h, nope, rope = self.num_local_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        positions = np.arange(S)
+
+        # Query path: replicated down-projection, then this rank's heads.
+        c_q = _rms_norm(paddle.matmul(hidden_states, self.wq_a), self.q_norm_weight, c.rms_norm_eps)
+        c_q = copy_to_tensor_parallel(c_q, self.group)
+        q = paddle.matmul(c_q, self.wq_b).reshape([B, S, h, nope + rope])
+        q_nope, q_pe = paddle.split(q, [nope, rope], axis=-1)
+        q_lat = paddle.einsum("bshd,hdc->bshc", q_nope, self.w_uk)  # absorb W_UK
+        query = paddle.concat([q_lat, _rope(q_pe, positions, c.rope_theta)], axis=-1)
+
+        # Shared latent kv (one MQA head), replicated on every rank.
+        kv_a = paddle.matmul(hidden_states, self.wkv_a)
+        c_kv, k_pe = paddle.split(kv_a, [c.kv_lora_rank, rope], axis=-1)
+        kv = paddle.concat(
+            [_rms_norm(c_kv, self.kv_norm_weight, c.rms_norm_eps), _rope(k_pe, positions, c.rope_theta)],
+            axis=-1,
+        )
+        kv = copy_to_tensor_parallel(kv, self.group)
+
+        compute_dtype = query.dtype
+        on_cuda = hidden_states.place.is_gpu_place()
+        if on_cuda:  # the kernels take bf16
+            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
+        o_lat = sparse_mqa_attention(
+            query, kv, token_indices, c.sm_scale, self.attn_sink, c.backward_backend,
+            d_v=c.kernel_dv,
+        )
+        o_lat = o_lat.astype(compute_dtype)
+
+        o = paddle.einsum("bshc,hcv->bshv", o_lat, self.w_uv)  # W_UV after the attention
+        y = paddle.matmul(o.reshape([B, S, h * c.v_head_dim]), self.wo)
+        return reduce_from_tensor_parallel(y, self.group)

@@ -1,0 +1,181 @@
+"""Paddle autograd op for sparse MQA-latent attention with an attention sink.
+
+Reads top to bottom: backend choice -> plain forward/backward dispatch functions ->
+:class:`SparseMQAAttentionFunction` (a ``paddle.autograd.PyLayer`` that only does ``ctx``
+bookkeeping) -> the public :func:`sparse_mqa_attention`.
+
+Forward: the TileLang kernel (``interface.mqa_latent_sparse_fwd``) for CUDA tensors, the fp32
+reference (``reference.sparse_mqa_fwd_ref``) for CPU tensors.  Backward: chosen by
+``backward_backend``; the top-k indices, ``out`` and the natural-log, sink-exclusive ``lse``
+are saved by the forward and reused, never recomputed.  The math is docs/conventions.md; the
+exact definition is ``attn/reference.py``.
+
+The kernel module is imported lazily, on the CUDA path only, so CPU-only installs work.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle.autograd import PyLayer
+
+from .adapter import ops_for
+from .checks import check_sm_scale, validate_inputs
+from .config import BACKWARD_BACKENDS
+
+__all__ = ["sparse_mqa_attention", "SparseMQAAttentionFunction", "resolve_backward_backend"]
+
+
+def resolve_backward_backend(backward_backend: str | None, device_kind: str) -> str:
+    """The backward implementation for tensors on ``device_kind`` (``"cuda"``/``"cpu"``).
+
+    ``None`` -> ``"tilelang"`` on CUDA, ``"reference"`` elsewhere.
+
+    Raises:
+        ValueError: an unknown name (the message lists the choices), or ``"tilelang"`` for
+            tensors that are not on CUDA (the kernels are Hopper-only).
+    """
+    if backward_backend is None:
+        return "tilelang" if device_kind == "cuda" else "reference"
+    if backward_backend not in BACKWARD_BACKENDS:
+        raise ValueError(
+            f"backward_backend: expected one of {list(BACKWARD_BACKENDS)} or None, got "
+            f"{backward_backend!r}"
+        )
+    if backward_backend == "tilelang" and device_kind != "cuda":
+        raise ValueError(
+            "backward_backend='tilelang' needs CUDA tensors (the TileLang kernels target "
+            f"sm_90a), got tensors on {device_kind}; use backward_backend='reference' on CPU"
+        )
+    return backward_backend
+
+
+# --- plain forward / backward ----------------------------------------------------------------
+def _forward(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind):
+    """-> ``(out [B,S,H,Dv] in query's dtype, lse [B,S,H] fp32 natural, sink-exclusive)``."""
+    if device_kind == "cuda":
+        from .interface import mqa_latent_sparse_fwd
+
+        out, lse = mqa_latent_sparse_fwd(query, kv, token_indices, sm_scale, attn_sink, d_v=d_v)
+    else:
+        from .reference import sparse_mqa_fwd_ref
+
+        out, lse = sparse_mqa_fwd_ref(
+            query, kv, token_indices, sm_scale, attn_sink, d_v=d_v, dtype="float32"
+        )
+    ops = ops_for(query)
+    return ops.cast(out, ops.dtype(query)), ops.cast(lse, "float32")
+
+
+def _backward(backend, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale, d_v):
+    """-> ``(dq in query's dtype, dkv in kv's dtype, d_sink fp32 [H])``."""
+    ops = ops_for(query)
+    if backend == "tilelang":
+        from .interface import mqa_latent_sparse_bwd
+
+        grad_out = ops.contiguous(ops.cast(grad_out, ops.dtype(out)))
+        dq, dkv, d_sink = mqa_latent_sparse_bwd(
+            query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
+            deterministic=True, lse_format="natural",
+        )
+    else:
+        from .reference import sparse_mqa_bwd_ref
+
+        # The reference recomputes P from (query, kv, token_indices); the saved indices are
+        # what it gets, so the top-k selection is still never recomputed.
+        dq, dkv, d_sink = sparse_mqa_bwd_ref(
+            query, kv, grad_out, token_indices, sm_scale, attn_sink, d_v=d_v, dtype="float32"
+        )
+    return ops.cast(dq, ops.dtype(query)), ops.cast(dkv, ops.dtype(kv)), d_sink
+
+
+# --- PyLayer ---------------------------------------------------------------------------------
+class SparseMQAAttentionFunction(PyLayer):
+    """``ctx`` bookkeeping around :func:`_forward` / :func:`_backward`.
+
+    Tensor inputs, in order: ``query``, ``kv``, ``token_indices`` and, when given,
+    ``attn_sink``.  Paddle requires one return value per Tensor input, and ``None`` for every
+    input with ``stop_gradient=True`` (the int indices always get ``None``), so the backward
+    returns ``None`` for each input that was not differentiable at forward time and returns
+    nothing for an absent sink.
+    """
+
+    @staticmethod
+    def forward(ctx, query, kv, token_indices, attn_sink, sm_scale, d_v, backend, device_kind):
+        out, lse = _forward(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind)
+        ctx.sm_scale = sm_scale
+        ctx.d_v = d_v
+        ctx.backend = backend
+        ctx.has_sink = attn_sink is not None
+        ctx.needs_grad = (
+            not query.stop_gradient,
+            not kv.stop_gradient,
+            attn_sink is not None and not attn_sink.stop_gradient,
+        )
+        ctx.save_for_backward(query, kv, token_indices, out, lse, attn_sink)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, kv, token_indices, out, lse, attn_sink = ctx.saved_tensor()
+        dq, dkv, d_sink = _backward(
+            ctx.backend, query, kv, out, grad_out, lse, attn_sink, token_indices,
+            ctx.sm_scale, ctx.d_v,
+        )
+        need_q, need_kv, need_sink = ctx.needs_grad
+        grads = [dq if need_q else None, dkv if need_kv else None, None]
+        if ctx.has_sink:
+            grads.append(ops_for(d_sink).cast(d_sink, ops_for(attn_sink).dtype(attn_sink))
+                         if need_sink else None)
+        return tuple(grads)
+
+
+def sparse_mqa_attention(
+    query: paddle.Tensor,
+    kv: paddle.Tensor,
+    token_indices: paddle.Tensor,
+    sm_scale: float,
+    attn_sink: paddle.Tensor | None = None,
+    backward_backend: str | None = None,
+    *,
+    d_v: int = 512,
+) -> paddle.Tensor:
+    """Sparse MQA-latent attention (DeepSeek-V3.2 DSA, absorbed MLA) with an attention sink,
+    differentiable with respect to ``query``, ``kv`` and ``attn_sink``.
+
+    Args:
+        query: ``[B, S, H, Dk]``; bf16 on CUDA (the kernel's dtype), fp32 on CPU (Paddle's CPU
+            build has no bf16 math).  ``Dk = kv_lora_rank + qk_rope_head_dim`` (576).
+        kv: ``[B, S_kv, Dk]``, same dtype as ``query``: the shared latent; the value is
+            ``kv[..., :d_v]``.
+        token_indices: ``[B, S, L]`` int32/int64 top-k key rows, ``-1`` = empty slot.  Causality
+            is carried by the indices (the op applies no mask).
+        sm_scale: multiplies ``q.k`` (not the sink), e.g. ``(qk_nope + qk_rope) ** -0.5``.
+        attn_sink: ``[H]`` fp32 per-head sink logits, or ``None``.
+        backward_backend: ``"tilelang"`` (CUDA kernels), ``"reference"`` (fp32 reference, any
+            device) or ``None`` (``"tilelang"`` on CUDA, ``"reference"`` on CPU).
+        d_v: value width ``Dv`` (keyword only; 512 = DeepSeek-V3.2's ``kv_lora_rank``).
+
+    Returns:
+        ``out``: ``[B, S, H, Dv]`` in ``query``'s dtype.
+
+    Raises:
+        TypeError / ValueError: bad tensors (``checks.validate_inputs``), a non-finite
+            ``sm_scale``, an unknown ``backward_backend``, or ``"tilelang"`` on CPU tensors.
+
+    Gradients: ``dq`` in ``query``'s dtype, ``dkv`` in ``kv``'s dtype, ``d_sink`` fp32 (zero
+    contribution from rows whose weight is all on the sink); see docs/conventions.md.
+    """
+    sm_scale = check_sm_scale(sm_scale)
+    ops = ops_for(query)
+    if ops.name != "paddle":
+        raise TypeError(f"query: expected a paddle.Tensor, got {type(query).__name__}")
+    device_kind = ops.device_kind(query)
+    backend = resolve_backward_backend(backward_backend, device_kind)
+    # Reading the index range back syncs the GPU stream; the CUDA wrapper does its own checks.
+    validate_inputs(
+        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
+        check_index_values=device_kind != "cuda",
+    )
+    return SparseMQAAttentionFunction.apply(
+        query, kv, token_indices, attn_sink, sm_scale, d_v, backend, device_kind
+    )

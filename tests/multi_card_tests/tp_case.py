@@ -1,0 +1,70 @@
+"""Shared inputs for the tensor-parallel tests: one definition of each case, used both by the
+rank processes (tp_worker.py) and by the pytest process for the single-process run.
+
+Every process builds the same full weights and inputs from fixed seeds; a rank loads only its
+slice (``MQALatentAttention.load_full_weights``), so rank results must equal the matching slice
+of the single-process results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paddlefleet.tilelang_ops.attn.config import get_preset
+from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+from paddlefleet.tilelang_ops.attn.layer import REPLICATED, init_full_weights
+
+#: name -> config overrides of the small preset.  64 heads give 8 per rank at TP=8; 48 heads
+#: give 6 per rank (not a power of two).  initializer_range 0.1 keeps the softmax far from
+#: uniform so the comparison is sensitive.
+CASES = {
+    "h64": dict(num_attention_heads=64, use_attn_sink=True),
+    "h64_nosink": dict(num_attention_heads=64, use_attn_sink=False),
+    "h48": dict(num_attention_heads=48, use_attn_sink=True),
+}
+BATCH, SEQ, TOPK = 2, 48, 32
+
+
+def case_config(name: str, tp: int):
+    return get_preset(
+        "deepseek_v32_small",
+        **CASES[name],
+        index_topk=TOPK,
+        initializer_range=0.1,
+        backward_backend="reference",
+        tensor_parallel_degree=tp,
+    )
+
+
+def case_inputs(name: str):
+    """(full weights, x [B,S,hidden], token_indices [B,S,L], grad_y [B,S,hidden]) as numpy."""
+    cfg = case_config(name, 1)
+    full = init_full_weights(cfg, seed=11)
+    rng = np.random.default_rng(123)
+    # Non-trivial norm weights so their gradients are checked at a generic point.
+    for key in REPLICATED:
+        if key.endswith("norm_weight"):
+            full[key] = (1.0 + 0.1 * rng.standard_normal(full[key].shape)).astype(np.float32)
+    x = rng.standard_normal((BATCH, SEQ, cfg.hidden_size)).astype(np.float32)
+    idx = causal_topk_indices(BATCH, SEQ, SEQ, TOPK, seed=5)  # early rows are -1 padded
+    grad_y = rng.standard_normal((BATCH, SEQ, cfg.hidden_size)).astype(np.float32)
+    return full, x, idx, grad_y
+
+
+def run_case(name: str, tp: int, group=None) -> dict:
+    """Forward + backward of ``sum(y * grad_y)`` on this process's shard; numpy results:
+    ``y``, ``dx`` and ``grad.<param>`` for every local parameter."""
+    import paddle
+
+    from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
+
+    full, x_np, idx_np, gy_np = case_inputs(name)
+    layer = MQALatentAttention(case_config(name, tp), group=group)
+    layer.load_full_weights(full)
+    x = paddle.to_tensor(x_np, stop_gradient=False)
+    y = layer(x, paddle.to_tensor(idx_np))
+    (y * paddle.to_tensor(gy_np)).sum().backward()
+    out = {"y": y.numpy(), "dx": x.grad.numpy()}
+    for pname, p in layer.named_parameters():
+        out["grad." + pname] = p.grad.numpy()
+    return out
