@@ -133,15 +133,17 @@ def sparse_mqa_fwd_ref(
         query, kv, token_indices, sm_scale, attn_sink, d_v, dtype
     )
     step = _chunk_rows(dims, dtype, backward=False)
-    outs, lses = [], []
+    # Outputs are filled in place, chunk by chunk, so they are never held twice.
+    out = ops.zeros((dims.B, dims.S, dims.H, dims.Dv), dtype, kv_c)
+    lse = ops.zeros((dims.B, dims.S, dims.H), dtype, kv_c)
     for s0 in range(0, dims.S, step):
         s1 = min(dims.S, s0 + step)
         q_c = ops.cast(query[:, s0:s1], dtype)
         idx_c = token_indices[:, s0:s1]
-        kv_g, _, P, lse, _ = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
-        outs.append(ops.einsum("bshl,bsld->bshd", P, kv_g[..., : dims.Dv]))
-        lses.append(lse)
-    return ops.concat(outs, axis=1), ops.concat(lses, axis=1)
+        kv_g, _, P, lse_c, _ = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
+        out[:, s0:s1] = ops.einsum("bshl,bsld->bshd", P, kv_g[..., : dims.Dv])
+        lse[:, s0:s1] = lse_c
+    return out, lse
 
 
 def sparse_mqa_bwd_ref(
@@ -179,7 +181,7 @@ def sparse_mqa_bwd_ref(
     )
     B, H, Dk, Dv = dims.B, dims.H, dims.Dk, dims.Dv
     step = _chunk_rows(dims, dtype, backward=True)
-    dqs = []
+    dq = ops.zeros((B, dims.S, H, Dk), dtype, kv_c)
     dkv = ops.zeros((B, dims.S_kv, Dk), dtype, kv_c)
     d_sink = ops.zeros((H,), dtype, kv_c)
     for s0 in range(0, dims.S, step):
@@ -194,7 +196,7 @@ def sparse_mqa_bwd_ref(
         delta = ops.sum(out_c * do_c, axis=-1)  # [B, c, H]
         dP = ops.einsum("bshd,bsld->bshl", do_c, v_g)
         dS = P * (dP - ops.reshape(delta, (B, c, H, 1)))
-        dqs.append(ops.einsum("bshl,bsld->bshd", dS, kv_g) * sm_scale)
+        dq[:, s0:s1] = ops.einsum("bshl,bsld->bshd", dS, kv_g) * sm_scale
         term_qk = ops.einsum("bshl,bshd->bsld", dS, q_c) * sm_scale  # [B, c, L, Dk]
         term_v = ops.einsum("bshl,bshd->bsld", P, do_c)  # [B, c, L, Dv]
         if Dv < Dk:
@@ -205,7 +207,7 @@ def sparse_mqa_bwd_ref(
         if sink_c is not None:
             p_sink = ops.exp(sink_c - lse_safe)  # [B, c, H]; lse_safe is finite with a sink
             d_sink = d_sink - ops.sum(ops.reshape(p_sink * delta, (B * c, H)), axis=0)
-    return ops.concat(dqs, axis=1), dkv, d_sink
+    return dq, dkv, d_sink
 
 
 def _check_bridge(lse: Any, attn_sink: Any, lse_name: str):
@@ -260,9 +262,10 @@ def lse_log2_sink_to_natural(lse2: Any, attn_sink: Any = None):
     :func:`lse_natural_to_log2_sink`.
 
     With a sink: ``total = lse2 * ln 2`` and ``lse = total + log(-expm1(sink - total))``
-    (``expm1`` keeps precision when the keys weigh little next to the sink); a row whose
-    total is the sink alone (``sink - total >= 0`` after rounding) gives ``-inf``, as does a
-    ``-inf`` sink over a ``-inf`` total.  Without a sink: ``lse = lse2 * ln 2``.
+    (``expm1`` keeps precision when the keys weigh little next to the sink).  A row whose
+    total is the sink alone to within 4 ulps of ``max(1, |total|)`` gives ``-inf`` (the keys'
+    weight is below the rounding of ``lse2``, so it cannot be recovered), as does a ``-inf``
+    sink over a ``-inf`` total.  Without a sink: ``lse = lse2 * ln 2``.
 
     Args:
         lse2: ``[..., H]`` float32/float64.
@@ -284,6 +287,10 @@ def lse_log2_sink_to_natural(lse2: Any, attn_sink: Any = None):
     # -inf sink (pad heads): the total is the keys alone.
     finite_sink = sink > _NEG_INF
     gap = ops.where(finite_sink, gap, ops.full((1,), _NEG_INF, dt, lse2))
-    gap = ops.where(gap > zero, zero, gap)
-    # gap == NaN can only come from total = +inf or -inf with a finite sink: leave it as is.
+    # The forward bridge rounds lse2 to a few ulps of |total|, so a gap that small means the
+    # keys weigh nothing measurable next to the sink: call it exactly 0 (lse = -inf) rather
+    # than turning rounding noise into lse ~ sink - 37 (fp64) / sink - 16 (fp32).
+    ulps = 4.0 * (2.0**-52 if dt == "float64" else 2.0**-23)
+    scale = ops.where(total.abs() > 1.0, total.abs(), ops.full((1,), 1.0, dt, lse2))
+    gap = ops.where(gap > -ulps * scale, zero, gap)
     return total + ops.log(-ops.expm1(gap))

@@ -1,0 +1,481 @@
+"""The reference (attn/reference.py) against independent statements of the same math.
+
+* forward: a dense numpy softmax over all S_kv keys (duplicate slots as multiplicities) with the
+  sink as one extra column;
+* backward: Paddle autograd through a plain fp64 formulation of the forward written here, and
+  central finite differences of the reference forward itself (fp64);
+* the LSE bridge both ways, and the kernel's base-2 form rebuilding the probabilities.
+
+Tolerances (relative L2 unless said otherwise): fp64 vs numpy / autograd 1e-12 (pure rounding,
+a few hundred flops per entry); fp32 vs fp64 numpy 2e-6; finite differences (fp64, step 1e-6,
+error O(step^2 * f''') + O(eps / step) ~ 1e-9) 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2, requires_cuda
+
+from paddlefleet.tilelang_ops.attn import reference as ref_mod
+from paddlefleet.tilelang_ops.attn.checks import Dims
+from paddlefleet.tilelang_ops.attn.reference import (
+    lse_log2_sink_to_natural,
+    lse_natural_to_log2_sink,
+    sparse_mqa_bwd_ref,
+    sparse_mqa_fwd_ref,
+)
+
+DK, DV, S, S_KV, L = 24, 16, 5, 9, 6
+
+
+# --- frameworks ----------------------------------------------------------------------------
+
+
+class _Paddle:
+    name = "paddle"
+
+    def __init__(self):
+        import paddle
+
+        self.m = paddle
+
+    def t(self, a):
+        return self.m.to_tensor(np.ascontiguousarray(a))
+
+    def np(self, t):
+        return t.numpy()
+
+
+class _Torch:
+    name = "torch"
+
+    def __init__(self, device="cpu"):
+        import torch
+
+        self.m = torch
+        self.device = device
+
+    def t(self, a):
+        return self.m.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def np(self, t):
+        return t.detach().cpu().numpy()
+
+
+@pytest.fixture(params=["paddle", "torch"])
+def fw(request):
+    pytest.importorskip(request.param)
+    return _Paddle() if request.param == "paddle" else _Torch()
+
+
+@pytest.fixture
+def paddle_fw():
+    pytest.importorskip("paddle")
+    return _Paddle()
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+def make_case(rng, B, H, with_sink, dtype=np.float64):
+    """Random inputs with -1 holes, one duplicate key and one row whose every slot is -1."""
+    q = rng.standard_normal((B, S, H, DK)).astype(dtype)
+    kv = rng.standard_normal((B, S_KV, DK)).astype(dtype)
+    idx = rng.integers(0, S_KV, (B, S, L))
+    idx[rng.random((B, S, L)) < 0.25] = -1
+    idx[0, 0, :2] = rng.integers(0, S_KV)  # a duplicate: counts as two keys
+    idx[0, 2, :] = -1  # no valid key at all
+    if B > 1:
+        idx[B - 1, S - 1, :] = -1
+    sink = rng.standard_normal(H).astype(dtype) if with_sink else None
+    grad_out = rng.standard_normal((B, S, H, DV)).astype(dtype)
+    return dict(q=q, kv=kv, idx=idx, sink=sink, grad_out=grad_out, scale=1.0 / math.sqrt(DK))
+
+
+def dense_numpy_fwd(q, kv, idx, sink, scale, d_v=DV):
+    """Softmax over all S_kv keys, each weighted by how often the row selected it, + sink."""
+    B, S_, H, _ = q.shape
+    n_kv = kv.shape[1]
+    counts = np.zeros((B, S_, n_kv))
+    for b, s, l in np.ndindex(idx.shape):
+        if idx[b, s, l] >= 0:
+            counts[b, s, idx[b, s, l]] += 1
+    scores = scale * np.einsum("bshd,bnd->bshn", q, kv)
+    with np.errstate(divide="ignore"):
+        logw = np.where(counts[:, :, None, :] > 0, scores + np.log(counts)[:, :, None, :], -np.inf)
+    sink_col = np.broadcast_to(
+        -np.inf if sink is None else sink[None, None, :, None], (B, S_, H, 1)
+    )
+    logits = np.concatenate([logw, sink_col], axis=-1)
+    m = logits.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(logits - m)
+    z = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(z > 0, z, 1.0)
+    out = np.einsum("bshn,bnd->bshd", p[..., :-1], kv[..., :d_v])
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.exp(logw - m).sum(axis=-1)) + m[..., 0]
+    return out, lse
+
+
+def run_ref(fw, c, dtype="float64"):
+    args = (fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]))
+    sink = None if c["sink"] is None else fw.t(c["sink"])
+    out, lse = sparse_mqa_fwd_ref(*args, c["scale"], attn_sink=sink, d_v=DV, dtype=dtype)
+    dq, dkv, dsink = sparse_mqa_bwd_ref(
+        args[0], args[1], fw.t(c["grad_out"]), args[2], c["scale"], attn_sink=sink, d_v=DV,
+        dtype=dtype,
+    )
+    return out, lse, dq, dkv, dsink
+
+
+CASES = [(B, H, sink) for B in (1, 2) for H in (1, 3, 8) for sink in (False, True)]
+CASE_IDS = [f"B{B}-H{H}-{'sink' if s else 'nosink'}" for B, H, s in CASES]
+
+
+# --- forward ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,H,with_sink", CASES, ids=CASE_IDS)
+def test_forward_matches_dense_numpy_fp64(fw, rng, B, H, with_sink):
+    c = make_case(rng, B, H, with_sink)
+    out, lse = sparse_mqa_fwd_ref(
+        fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"],
+        attn_sink=None if c["sink"] is None else fw.t(c["sink"]), d_v=DV, dtype="float64",
+    )
+    want_out, want_lse = dense_numpy_fwd(c["q"], c["kv"], c["idx"], c["sink"], c["scale"])
+    assert fw.np(out).dtype == np.float64 and fw.np(lse).dtype == np.float64
+    assert fw.np(out).shape == (B, S, H, DV) and fw.np(lse).shape == (B, S, H)
+    assert rel_l2(fw.np(out), want_out) < 1e-12
+    assert rel_l2(fw.np(lse), want_lse) < 1e-12  # -inf rows must match exactly
+    # Rows without a key: out 0 and lse -inf, with or without a sink.
+    np.testing.assert_array_equal(fw.np(out)[0, 2], 0.0)
+    np.testing.assert_array_equal(fw.np(lse)[0, 2], -np.inf)
+
+
+def test_forward_fp32_default(fw, rng):
+    c = make_case(rng, 2, 3, True, dtype=np.float32)
+    out, lse = sparse_mqa_fwd_ref(
+        fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV
+    )
+    assert fw.np(out).dtype == np.float32 and fw.np(lse).dtype == np.float32
+    want_out, want_lse = dense_numpy_fwd(
+        *(c[k].astype(np.float64) for k in ("q", "kv")), c["idx"], c["sink"].astype(np.float64),
+        c["scale"],
+    )
+    assert rel_l2(fw.np(out), want_out) < 2e-6
+    assert rel_l2(fw.np(lse), want_lse) < 2e-6
+
+
+def test_forward_large_scores_stay_finite(fw, rng):
+    """Scores of +-100 overflow a naive exp in fp32; the max shift must keep them finite."""
+    c = make_case(rng, 1, 3, True, dtype=np.float32)
+    c["q"] *= 120.0
+    c["sink"] = (c["sink"] * 50.0).astype(np.float32)
+    out, lse = sparse_mqa_fwd_ref(
+        fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV
+    )
+    assert np.abs(fw.np(lse)[np.isfinite(fw.np(lse))]).max() > 88  # exp would overflow fp32
+    assert np.isfinite(fw.np(out)).all()
+    want_out, want_lse = dense_numpy_fwd(
+        c["q"].astype(np.float64), c["kv"].astype(np.float64), c["idx"],
+        c["sink"].astype(np.float64), c["scale"],
+    )
+    assert rel_l2(fw.np(out), want_out) < 1e-5
+    assert rel_l2(fw.np(lse), want_lse) < 1e-6
+
+
+def test_d_v_equal_dk_and_small(fw, rng):
+    """d_v is a free parameter: the value is kv[..., :d_v], including d_v = Dk."""
+    c = make_case(rng, 1, 3, True)
+    for d_v in (1, DK):
+        out, _ = sparse_mqa_fwd_ref(
+            fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]),
+            d_v=d_v, dtype="float64",
+        )
+        want, _ = dense_numpy_fwd(c["q"], c["kv"], c["idx"], c["sink"], c["scale"], d_v=d_v)
+        assert rel_l2(fw.np(out), want) < 1e-12
+
+
+def test_bf16_inputs_on_paddle_cpu(paddle_fw, rng):
+    """bf16 is cast to the compute dtype before any math (Paddle CPU has no bf16 kernels), so the
+    result equals the fp32 reference on the bf16-rounded inputs exactly."""
+    fw = paddle_fw
+    c = make_case(rng, 2, 3, True, dtype=np.float32)
+    q16, kv16, do16 = (fw.t(c[k]).astype("bfloat16") for k in ("q", "kv", "grad_out"))
+    sink, idx = fw.t(c["sink"]), fw.t(c["idx"])
+    got = sparse_mqa_fwd_ref(q16, kv16, idx, c["scale"], sink, d_v=DV) + sparse_mqa_bwd_ref(
+        q16, kv16, do16, idx, c["scale"], sink, d_v=DV
+    )
+    q32, kv32, do32 = (t.astype("float32") for t in (q16, kv16, do16))
+    want = sparse_mqa_fwd_ref(q32, kv32, idx, c["scale"], sink, d_v=DV) + sparse_mqa_bwd_ref(
+        q32, kv32, do32, idx, c["scale"], sink, d_v=DV
+    )
+    for g, w in zip(got, want):
+        assert str(g.dtype).endswith("float32")
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+# --- backward --------------------------------------------------------------------------------
+
+
+def autograd_grads(c):
+    """dq, dkv, d_sink by Paddle autograd through a plain fp64 statement of the forward."""
+    import paddle
+
+    q = paddle.to_tensor(c["q"], stop_gradient=False)
+    kv = paddle.to_tensor(c["kv"], stop_gradient=False)
+    idx = paddle.to_tensor(c["idx"])
+    B, S_, H, _ = c["q"].shape
+    valid = (idx >= 0).astype("float64").unsqueeze(2)  # [B, S, 1, L]
+    safe = paddle.clip(idx, min=0)
+    keys = paddle.stack([paddle.gather(kv[b], safe[b].flatten()) for b in range(B)])
+    keys = keys.reshape([B, S_, L, DK])
+    scores = c["scale"] * paddle.einsum("bshd,bsld->bshl", q, keys)
+    # Scores here are O(1): no max shift needed, and masked slots get weight 0, not exp(-inf).
+    weights = paddle.exp(scores) * valid
+    z = weights.sum(-1, keepdim=True)
+    if c["sink"] is not None:
+        sink = paddle.to_tensor(c["sink"], stop_gradient=False)
+        z = z + paddle.exp(sink).reshape([1, 1, H, 1])
+    p = weights / paddle.where(z > 0, z, paddle.ones_like(z))
+    out = paddle.einsum("bshl,bsld->bshd", p, keys[..., :DV])
+    loss = (out * paddle.to_tensor(c["grad_out"])).sum()
+    loss.backward()
+    dsink = sink.grad.numpy() if c["sink"] is not None else np.zeros(H)
+    return q.grad.numpy(), kv.grad.numpy(), dsink
+
+
+@pytest.mark.parametrize("B,H,with_sink", CASES, ids=CASE_IDS)
+def test_backward_matches_paddle_autograd(paddle_fw, rng, B, H, with_sink):
+    c = make_case(rng, B, H, with_sink)
+    _, _, dq, dkv, dsink = run_ref(paddle_fw, c)
+    want = autograd_grads(c)
+    assert dq.numpy().shape == (B, S, H, DK) and dkv.numpy().shape == (B, S_KV, DK)
+    assert dsink.numpy().shape == (H,)
+    assert rel_l2(dq, want[0]) < 1e-12
+    assert rel_l2(dkv, want[1]) < 1e-12
+    if with_sink:
+        assert rel_l2(dsink, want[2]) < 1e-12
+    else:
+        np.testing.assert_array_equal(dsink.numpy(), 0.0)
+    # The row with no key gets no gradient.
+    np.testing.assert_array_equal(dq.numpy()[0, 2], 0.0)
+
+
+def _loss(fw, c, q, kv, sink):
+    out, _ = sparse_mqa_fwd_ref(
+        fw.t(q), fw.t(kv), fw.t(c["idx"]), c["scale"],
+        attn_sink=None if sink is None else fw.t(sink), d_v=DV, dtype="float64",
+    )
+    return float((fw.np(out) * c["grad_out"]).sum())
+
+
+@pytest.mark.parametrize("B,H,with_sink", CASES, ids=CASE_IDS)
+def test_backward_matches_finite_differences(paddle_fw, rng, B, H, with_sink):
+    fw = paddle_fw
+    c = make_case(rng, B, H, with_sink)
+    _, _, dq, dkv, dsink = run_ref(fw, c)
+    analytic = {"q": fw.np(dq), "kv": fw.np(dkv), "sink": fw.np(dsink)}
+    step = 1e-6
+    names = ["q", "kv"] + (["sink"] if with_sink else [])
+    for name in names:
+        base = c[name]
+        n_probe = base.size if name == "sink" else 16
+        flat = rng.choice(base.size, size=min(n_probe, base.size), replace=False)
+        fd, an = [], []
+        for f in flat:
+            pos = np.unravel_index(f, base.shape)
+            plus, minus = base.copy(), base.copy()
+            plus[pos] += step
+            minus[pos] -= step
+            args = {k: c[k] for k in ("q", "kv", "sink")}
+            lp = _loss(fw, c, **{**args, name: plus})
+            lm = _loss(fw, c, **{**args, name: minus})
+            fd.append((lp - lm) / (2 * step))
+            an.append(analytic[name][pos])
+        assert rel_l2(np.array(an), np.array(fd)) < 1e-6, name
+
+
+def test_backward_fp32_close_to_fp64(fw, rng):
+    c = make_case(rng, 2, 8, True)
+    got = run_ref(fw, {k: (v.astype(np.float32) if k in ("q", "kv", "sink", "grad_out") else v)
+                       for k, v in c.items()}, dtype="float32")
+    want = run_ref(fw, c, dtype="float64")
+    for g, w in zip(got, want):
+        assert fw.np(g).dtype == np.float32
+        assert rel_l2(fw.np(g), fw.np(w)) < 2e-6
+
+
+def test_sink_only_rows_give_zero_sink_gradient(paddle_fw, rng):
+    """A row with no key puts all weight on the sink; out = 0 so Delta = 0 and d_sink gets 0."""
+    fw = paddle_fw
+    c = make_case(rng, 1, 3, True)
+    c["idx"][:] = -1
+    out, lse, dq, dkv, dsink = run_ref(fw, c)
+    for t in (out, dq, dkv, dsink):
+        np.testing.assert_array_equal(fw.np(t), 0.0)
+    np.testing.assert_array_equal(fw.np(lse), -np.inf)
+
+
+def test_no_key_no_sink_is_never_nan(fw, rng):
+    c = make_case(rng, 2, 3, False)
+    c["idx"][:] = -1
+    out, lse, dq, dkv, dsink = run_ref(fw, c, dtype="float32")
+    for t in (out, dq, dkv, dsink):
+        np.testing.assert_array_equal(fw.np(t), 0.0)
+    np.testing.assert_array_equal(fw.np(lse), -np.inf)
+
+
+def test_minus_one_slots_never_touch_row_zero(fw, rng):
+    """A -1 slot is gathered as row 0 but masked: dkv[0] must stay 0 when no row selects key 0."""
+    c = make_case(rng, 1, 3, True)
+    c["idx"][c["idx"] == 0] = 1
+    _, _, _, dkv, _ = run_ref(fw, c)
+    np.testing.assert_array_equal(fw.np(dkv)[0, 0], 0.0)
+    assert np.abs(fw.np(dkv)[0, 1]).sum() > 0
+
+
+def test_chunking_does_not_change_results(fw, rng, monkeypatch):
+    c = make_case(rng, 2, 3, True)
+    whole = run_ref(fw, c)
+    monkeypatch.setattr(ref_mod, "_CHUNK_BYTES", 1)  # one query row per chunk
+    assert ref_mod._chunk_rows(ref_mod.validate_inputs(
+        fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), d_v=DV), "float64", True) == 1
+    rows = run_ref(fw, c)
+    for a, b in zip(whole, rows):
+        assert rel_l2(fw.np(b), fw.np(a)) < 1e-14
+
+
+def test_chunk_bound_at_the_gpu_suite_size():
+    """S=1024, L=2048, Dk=576, H=128 in fp64: one chunk's per-row terms stay within budget."""
+    dims = Dims(B=1, S=1024, H=128, Dk=576, Dv=512, S_kv=2048, L=2048)
+    # Generous counts of what one chunk holds alive at its peak: [L, Dk]-sized tensors (gathered
+    # keys; in backward also the two dKV terms, their padding and their sum) and [H, L]-sized
+    # ones (scores, masks, exp, P, dP, dS).
+    live = {False: (2, 6), True: (5, 8)}
+    for backward, (n_keys, n_scores) in live.items():
+        rows = ref_mod._chunk_rows(dims, "float64", backward)
+        assert 1 <= rows < dims.S
+        per_row = 8 * (n_keys * dims.L * dims.Dk + n_scores * dims.H * dims.L)
+        assert rows * per_row < (1 << 30)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_reference_on_cuda_matches_cpu(rng):
+    c = make_case(rng, 2, 8, True)
+    cpu = run_ref(_Torch("cpu"), c)
+    gpu_fw = _Torch("cuda")
+    gpu = run_ref(gpu_fw, c)
+    for a, b in zip(cpu, gpu):
+        assert b.device.type == "cuda"
+        assert rel_l2(gpu_fw.np(b), a.numpy()) < 1e-12
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_arguments(paddle_fw, rng):
+    fw = paddle_fw
+    c = make_case(rng, 1, 3, True)
+    q, kv, idx, do = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out"))
+    with pytest.raises(ValueError, match="dtype: expected 'float32' or 'float64'"):
+        sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV, dtype="bfloat16")
+    with pytest.raises(TypeError, match="dtype"):
+        sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV, dtype=np.float64)
+    with pytest.raises(TypeError, match="sm_scale"):
+        sparse_mqa_fwd_ref(q, kv, idx, fw.t(np.array(0.1)), d_v=DV)
+    with pytest.raises(ValueError, match="sm_scale"):
+        sparse_mqa_fwd_ref(q, kv, idx, float("nan"), d_v=DV)
+    with pytest.raises(TypeError, match="query"):
+        sparse_mqa_fwd_ref(c["q"], kv, idx, 0.1, d_v=DV)
+    with pytest.raises(ValueError, match="grad_out"):
+        sparse_mqa_bwd_ref(q, kv, do[..., :-1], idx, 0.1, d_v=DV)
+    with pytest.raises(ValueError, match="token_indices"):
+        bad = c["idx"].copy()
+        bad[0, 0, 0] = S_KV
+        sparse_mqa_fwd_ref(q, kv, fw.t(bad), 0.1, d_v=DV)
+    with pytest.raises(ValueError, match="d_v"):
+        sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DK + 1)
+
+
+# --- LSE bridge --------------------------------------------------------------------------------
+
+
+def _lse_case(rng, H=8):
+    lse = rng.standard_normal((2, 5, H)) * 3
+    lse[0, 1] = -np.inf  # rows without keys
+    sink = rng.standard_normal(H)
+    return lse, sink
+
+
+def test_lse_natural_to_log2_sink(fw, rng):
+    lse, sink = _lse_case(rng)
+    got = lse_natural_to_log2_sink(fw.t(lse), fw.t(sink))
+    want = np.logaddexp(lse, sink) / math.log(2.0)
+    assert rel_l2(fw.np(got), want) < 1e-15
+    np.testing.assert_allclose(fw.np(got)[0, 1], sink / math.log(2.0), rtol=1e-15)
+    # Without a sink it is a change of base only; -inf stays -inf.
+    got = lse_natural_to_log2_sink(fw.t(lse))
+    assert rel_l2(fw.np(got), lse / math.log(2.0)) < 1e-15
+
+
+def test_lse_log2_sink_to_natural_inverts(fw, rng):
+    lse, sink = _lse_case(rng)
+    for s in (sink, None):
+        lse2 = lse_natural_to_log2_sink(fw.t(lse), None if s is None else fw.t(s))
+        back = lse_log2_sink_to_natural(lse2, None if s is None else fw.t(s))
+        assert rel_l2(fw.np(back), lse) < 1e-12
+        np.testing.assert_array_equal(fw.np(back)[0, 1], -np.inf)
+    # fp32 in, fp32 out, within fp32 rounding (keys comparable to the sink).
+    lse32, sink32 = lse.astype(np.float32), sink.astype(np.float32)
+    back = lse_log2_sink_to_natural(
+        lse_natural_to_log2_sink(fw.t(lse32), fw.t(sink32)), fw.t(sink32)
+    )
+    assert fw.np(back).dtype == np.float32
+    assert rel_l2(fw.np(back), lse) < 1e-5
+
+
+def test_lse_bridge_minus_inf_sink(fw, rng):
+    """Pad heads carry sink = -inf: the bridge reduces to a change of base, -inf rows stay -inf."""
+    lse, sink = _lse_case(rng, H=4)
+    sink[1] = -np.inf
+    lse2 = lse_natural_to_log2_sink(fw.t(lse), fw.t(sink))
+    np.testing.assert_allclose(fw.np(lse2)[..., 1], lse[..., 1] / math.log(2.0), rtol=1e-15)
+    back = fw.np(lse_log2_sink_to_natural(lse2, fw.t(sink)))
+    assert not np.isnan(back).any()
+    assert rel_l2(back, lse) < 1e-12
+
+
+def test_log2_lse_rebuilds_the_probabilities(fw, rng):
+    """The kernels' form: P_l = exp2(s_l log2(e) - lse2) and P_sink sum to 1 and rebuild out."""
+    c = make_case(rng, 1, 3, True)
+    out, lse = sparse_mqa_fwd_ref(
+        fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV,
+        dtype="float64",
+    )
+    lse2 = fw.np(lse_natural_to_log2_sink(lse, fw.t(c["sink"])))
+    valid = c["idx"] >= 0
+    keys = c["kv"][0][np.clip(c["idx"][0], 0, None)]  # [S, L, Dk]
+    s = c["scale"] * np.einsum("shd,sld->shl", c["q"][0], keys)
+    p = np.where(valid[0][:, None, :], np.exp2(s / math.log(2.0) - lse2[0][..., None]), 0.0)
+    p_sink = np.exp2(c["sink"] / math.log(2.0) - lse2[0])
+    np.testing.assert_allclose(p.sum(-1) + p_sink, 1.0, rtol=1e-13)
+    assert rel_l2(fw.np(out)[0], np.einsum("shl,sld->shd", p, keys[..., :DV])) < 1e-12
+
+
+def test_lse_bridge_bad_input(fw, rng):
+    lse, sink = _lse_case(rng)
+    with pytest.raises(TypeError, match="lse"):
+        lse_natural_to_log2_sink(lse, fw.t(sink))
+    with pytest.raises(TypeError, match="lse2: expected dtype float32 or float64"):
+        lse_log2_sink_to_natural(fw.t(np.zeros(lse.shape, np.int64)), fw.t(sink))
+    with pytest.raises(ValueError, match="attn_sink: expected shape"):
+        lse_natural_to_log2_sink(fw.t(lse), fw.t(sink[:-1]))
+    with pytest.raises(TypeError, match="attn_sink: expected dtype"):
+        lse_natural_to_log2_sink(fw.t(lse), fw.t(sink.astype(np.int32)))
