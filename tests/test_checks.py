@@ -1,0 +1,248 @@
+"""attn/checks.py: every rule, its error type, its message, and the order of the checks."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from paddlefleet.tilelang_ops.attn.checks import (
+    Dims,
+    check_compute_dtype,
+    check_sm_scale,
+    validate_inputs,
+)
+
+B, S, H, DK, DV, S_KV, L = 2, 3, 4, 24, 16, 7, 5
+
+
+def T(a):
+    return paddle.to_tensor(np.ascontiguousarray(a))
+
+
+def test_torch_tensors(rng):
+    """The same checks on PyTorch tensors (the GPU host's framework)."""
+    torch = pytest.importorskip("torch")
+    q = torch.randn(B, S, H, DK, dtype=torch.bfloat16)
+    kv = torch.randn(B, S_KV, DK, dtype=torch.bfloat16)
+    idx = torch.from_numpy(rng.integers(-1, S_KV, (B, S, L)))
+    sink = torch.randn(H)
+    dims = validate_inputs(q, kv, idx, attn_sink=sink, d_v=DV, float_dtypes=("bfloat16",))
+    assert dims == Dims(B=B, S=S, H=H, Dk=DK, Dv=DV, S_kv=S_KV, L=L)
+    with pytest.raises(ValueError, match="^query: expected a tensor on cuda, got one on cpu"):
+        validate_inputs(q, kv, idx, d_v=DV, device="cuda")
+    with pytest.raises(TypeError, match=r"^query: expected dtype in \['bfloat16'\], got float32"):
+        validate_inputs(q.float(), kv.float(), idx, d_v=DV, float_dtypes=("bfloat16",))
+    with pytest.raises(TypeError, match="^attn_sink: expected dtype"):
+        validate_inputs(q, kv, idx, attn_sink=sink.double(), d_v=DV)
+    idx[0, 0, 0] = S_KV
+    with pytest.raises(ValueError, match="^token_indices: expected values"):
+        validate_inputs(q, kv, idx, d_v=DV)
+
+
+# Everything below runs on Paddle (the CI framework) through the `good` fixture.
+try:
+    import paddle
+except ImportError:
+    paddle = None
+
+
+@pytest.fixture
+def good(rng):
+    pytest.importorskip("paddle")
+    idx = rng.integers(-1, S_KV, (B, S, L)).astype(np.int32)
+    idx[0, 0, 0], idx[1, 2, 4] = -1, S_KV - 1  # both ends of the valid range
+    return dict(
+        query=T(rng.standard_normal((B, S, H, DK)).astype(np.float32)),
+        kv=T(rng.standard_normal((B, S_KV, DK)).astype(np.float32)),
+        token_indices=T(idx),
+        attn_sink=T(rng.standard_normal(H).astype(np.float32)),
+        out=T(rng.standard_normal((B, S, H, DV)).astype(np.float32)),
+        grad_out=T(rng.standard_normal((B, S, H, DV)).astype(np.float32)),
+        lse=T(rng.standard_normal((B, S, H)).astype(np.float32)),
+    )
+
+
+def call(args, **kw):
+    a = dict(args)
+    q, kv, idx = a.pop("query"), a.pop("kv"), a.pop("token_indices")
+    a.update(kw)
+    a.setdefault("d_v", DV)
+    return validate_inputs(q, kv, idx, **a)
+
+
+def test_valid_call_returns_dims(good):
+    dims = call(good)
+    assert dims == Dims(B=B, S=S, H=H, Dk=DK, Dv=DV, S_kv=S_KV, L=L)
+    with pytest.raises(AttributeError):
+        dims.B = 3  # frozen
+    # Optional tensors may be left out; int64 indices and bf16 floats are fine.
+    minimal = {k: good[k] for k in ("query", "kv", "token_indices")}
+    assert call(minimal) == dims
+    minimal["token_indices"] = good["token_indices"].astype("int64")
+    assert call(minimal) == dims
+    bf16 = {k: good[k].astype("bfloat16") for k in ("query", "kv")}
+    assert call({**minimal, **bf16}, float_dtypes=("bfloat16",)) == dims
+
+
+@pytest.mark.parametrize("name", ["query", "kv", "token_indices", "attn_sink", "out", "lse"])
+def test_not_a_tensor(good, name):
+    bad = dict(good, **{name: good[name].numpy()})
+    with pytest.raises(TypeError, match=f"^{name}: expected a paddle.Tensor or torch.Tensor, got ndarray"):
+        call(bad)
+
+
+def test_required_tensor_none(good):
+    with pytest.raises(TypeError, match="^kv: expected a paddle.Tensor or torch.Tensor, got None"):
+        call(dict(good, kv=None))
+
+
+@pytest.mark.parametrize(
+    "name,shape,expected",
+    [
+        ("query", (B, S, H * DK), "4 dims [B, S, H, Dk]"),
+        ("kv", (B, S_KV, 1, DK), "3 dims [B, S_kv, Dk]"),
+        ("token_indices", (B, S * L), "3 dims [B, S, L]"),
+        ("attn_sink", (1, H), "1 dims [H]"),
+        ("grad_out", (B, S, H * DV), "4 dims [B, S, H, Dv]"),
+        ("lse", (B, S, H, 1), "3 dims [B, S, H]"),
+    ],
+)
+def test_ndim(good, name, shape, expected):
+    bad = dict(good, **{name: good[name].reshape(list(shape))})
+    pattern = re.escape(f"{name}: expected {expected}, got {len(shape)} dims")
+    with pytest.raises(ValueError, match="^" + pattern):
+        call(bad)
+
+
+def test_device(good):
+    with pytest.raises(ValueError, match="^query: expected a tensor on cuda, got one on cpu"):
+        call(good, device="cuda")
+    assert call(good, device="cpu").B == B
+
+
+@pytest.mark.parametrize(
+    "name,dtype,pattern",
+    [
+        ("query", "float16", r"^query: expected dtype in \['bfloat16'\], got float16"),
+        ("out", "float32", r"^out: expected dtype in \['bfloat16'\], got float32"),
+    ],
+)
+def test_float_dtypes(good, name, dtype, pattern):
+    args = {k: (v.astype("bfloat16") if k in ("query", "kv", "out", "grad_out") else v)
+            for k, v in good.items()}
+    args[name] = good[name].astype(dtype)
+    with pytest.raises(TypeError, match=pattern):
+        call(args, float_dtypes=("bfloat16",))
+
+
+def test_other_dtypes(good):
+    with pytest.raises(TypeError, match=r"^kv: expected the dtype of query \(float32\), got float64"):
+        call(dict(good, kv=good["kv"].astype("float64")))
+    with pytest.raises(TypeError, match="^token_indices: expected dtype int32 or int64, got float32"):
+        call(dict(good, token_indices=good["token_indices"].astype("float32")))
+    with pytest.raises(TypeError, match="^token_indices: expected dtype int32 or int64, got int16"):
+        call(dict(good, token_indices=good["token_indices"].astype("int16")))
+    for name in ("attn_sink", "lse"):
+        with pytest.raises(TypeError, match=rf"^{name}: expected dtype in \['float32'\], got float64"):
+            call(dict(good, **{name: good[name].astype("float64")}))
+    # The fp64 reference widens the sink/lse dtypes explicitly.
+    assert call(dict(good, attn_sink=good["attn_sink"].astype("float64")),
+                aux_float_dtypes=("float32", "float64")).H == H
+    with pytest.raises(TypeError, match=r"^query: expected dtype in"):
+        call(dict(good, query=good["query"].astype("int32"), kv=good["kv"].astype("int32")))
+
+
+@pytest.mark.parametrize(
+    "name,shape,pattern",
+    [
+        ("kv", (B + 1, S_KV, DK), r"^kv: expected \[B, S_kv, Dk\] with B=2 and Dk=24 \(from query\), got shape \[3, 7, 24\]"),
+        ("kv", (B, S_KV, DK + 1), r"^kv: expected \[B, S_kv, Dk\] with B=2 and Dk=24"),
+        ("token_indices", (B, S + 1, L), r"^token_indices: expected \[B, S, L\] with B=2 and S=3 \(from query\), got shape \[2, 4, 5\]"),
+        ("token_indices", (B, S, 0), r"^token_indices: expected L >= 1"),
+        ("attn_sink", (H + 1,), r"^attn_sink: expected shape \[H\] with H=4 \(from query\), got \[5\]"),
+        ("lse", (B, S, H + 1), r"^lse: expected shape \[B, S, H\] = \[2, 3, 4\], got \[2, 3, 5\]"),
+        ("out", (B, S, H, DV + 1), r"^out: expected shape \[B, S, H, Dv\] = \[2, 3, 4, 16\], got \[2, 3, 4, 17\]"),
+        ("grad_out", (B, S + 1, H, DV), r"^grad_out: expected shape \[B, S, H, Dv\]"),
+        ("query", (B, S, 0, DK), r"^query: expected B, S, H, Dk >= 1"),
+        ("kv", (B, 0, DK), r"^kv: expected S_kv >= 1"),
+    ],
+)
+def test_shapes(good, rng, name, shape, pattern):
+    dtype = str(good[name].dtype).rsplit(".", 1)[-1]
+    bad = dict(good, **{name: T(np.zeros(shape, dtype=dtype))})
+    with pytest.raises(ValueError, match=pattern):
+        call(bad, check_index_values=False)
+
+
+def test_d_v(good):
+    with pytest.raises(TypeError, match="^d_v: expected a Python int, got float"):
+        call(good, d_v=16.0)
+    with pytest.raises(TypeError, match="^d_v: expected a Python int, got bool"):
+        call(good, d_v=True)
+    with pytest.raises(ValueError, match=r"^d_v: expected 1 <= d_v <= Dk=24, got 25"):
+        call({k: good[k] for k in ("query", "kv", "token_indices")}, d_v=DK + 1)
+    with pytest.raises(ValueError, match=r"^d_v: expected 1 <= d_v <= Dk=24, got 0"):
+        call({k: good[k] for k in ("query", "kv", "token_indices")}, d_v=0)
+
+
+@pytest.mark.parametrize("value,got", [(-2, r"\[-2, "), (S_KV, rf", {S_KV}\]")])
+def test_index_values(good, value, got):
+    idx = good["token_indices"].numpy().copy()
+    idx[1, 1, 2] = value
+    bad = dict(good, token_indices=T(idx))
+    with pytest.raises(ValueError, match=rf"^token_indices: expected values -1 \(empty slot\) or in \[0, S_kv=7\), got values in .*{got}"):
+        call(bad)
+    assert call(bad, check_index_values=False).S_kv == S_KV
+
+
+def test_check_order(good):
+    """The most basic problem wins: type > ndim > device > dtype > shape > d_v > values."""
+    q = good["query"]
+    # wrong ndim and wrong dtype: ndim is reported
+    with pytest.raises(ValueError, match="^query: expected 4 dims"):
+        call(dict(good, query=q.reshape([B, S, H * DK]).astype("float64")))
+    # wrong dtype and wrong shape: dtype is reported
+    with pytest.raises(TypeError, match="^attn_sink: expected dtype"):
+        call(dict(good, attn_sink=T(np.zeros(H + 1, np.float64))))
+    # wrong device and wrong dtype: device is reported
+    with pytest.raises(ValueError, match="expected a tensor on cuda"):
+        call(dict(good, lse=good["lse"].astype("float64")), device="cuda")
+    # bad shape and bad d_v: shape is reported
+    with pytest.raises(ValueError, match="^kv: expected"):
+        call(dict(good, kv=T(np.zeros((B, S_KV, DK + 1), np.float32))), d_v=DK + 5)
+    # bad d_v and bad index values: d_v is reported
+    idx = good["token_indices"].numpy().copy()
+    idx[0, 0, 0] = S_KV + 3
+    with pytest.raises(ValueError, match="^d_v"):
+        call({"query": q, "kv": good["kv"], "token_indices": T(idx)}, d_v=DK + 1)
+    # a non-tensor beats everything
+    with pytest.raises(TypeError, match="^lse: expected a paddle.Tensor"):
+        call(dict(good, query=q.reshape([B, S, H * DK]), lse=[1.0]))
+
+
+def test_mixed_frameworks(good):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="all tensors must come from one framework"):
+        call(dict(good, attn_sink=torch.zeros(H)))
+
+
+def test_check_sm_scale():
+    assert check_sm_scale(0.125) == 0.125 and isinstance(check_sm_scale(1), float)
+    assert isinstance(check_sm_scale(np.float32(0.5)), float)
+    for bad in (True, "0.1", None, np.array([0.1])):
+        with pytest.raises(TypeError, match="^sm_scale: expected a Python float"):
+            check_sm_scale(bad)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="^sm_scale: expected a finite float"):
+            check_sm_scale(bad)
+
+
+def test_check_compute_dtype():
+    assert check_compute_dtype("float32") == "float32"
+    assert check_compute_dtype("float64") == "float64"
+    with pytest.raises(ValueError, match="^dtype: expected 'float32' or 'float64', got 'bfloat16'"):
+        check_compute_dtype("bfloat16")
+    with pytest.raises(TypeError, match="^dtype: expected 'float32' or 'float64', got type"):
+        check_compute_dtype(np.float32)

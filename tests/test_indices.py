@@ -1,0 +1,103 @@
+"""attn/indices.py: causal top-k indices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paddlefleet.tilelang_ops.attn import indices as indices_mod
+from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+
+
+def check_rows(idx, S, S_kv, topk, rows=None):
+    """Every row: distinct keys in [0, p], -1 only as trailing padding, exactly min(topk, p+1)."""
+    B = idx.shape[0]
+    for b in range(B):
+        for s in range(S) if rows is None else rows:
+            row = idx[b, s]
+            p = S_kv - S + s
+            n = min(topk, p + 1)
+            keys = row[:n]
+            assert (keys >= 0).all() and (keys <= p).all(), (b, s, row)
+            assert len(np.unique(keys)) == n, (b, s, row)
+            assert (row[n:] == -1).all(), (b, s, row)
+
+
+@pytest.mark.parametrize(
+    "B,S,S_kv,topk",
+    [(1, 8, 8, 3), (2, 5, 9, 4), (2, 6, 6, 6), (1, 4, 10, 16), (3, 7, 20, 7), (1, 1, 1, 1)],
+)
+def test_causal_distinct_padded(B, S, S_kv, topk):
+    idx = causal_topk_indices(B, S, S_kv, topk, seed=7)
+    assert idx.shape == (B, S, topk) and idx.dtype == np.int32
+    check_rows(idx, S, S_kv, topk)
+
+
+def test_many_chunks(monkeypatch):
+    """The generator draws rows in chunks; a tiny budget (one row per chunk) keeps every rule."""
+    monkeypatch.setattr(indices_mod, "_ROW_BUDGET_ELEMS", 1)
+    idx = causal_topk_indices(2, 9, 12, 5, seed=3)
+    check_rows(idx, 9, 12, 5)
+
+
+def test_full_size_rows():
+    """The benchmark shape (S=4096, S_kv=8192, topk=2048): checked on a sample of rows."""
+    S, S_kv, topk = 4096, 8192, 2048
+    idx = causal_topk_indices(1, S, S_kv, topk, seed=0)
+    assert idx.shape == (1, S, topk)
+    check_rows(idx, S, S_kv, topk, rows=[0, 1, 2047, 4095])
+    assert (idx >= 0).all()  # every row sees >= 4097 keys: no padding
+
+
+def test_early_rows_pad_with_minus_one():
+    idx = causal_topk_indices(1, 8, 8, 4, seed=1)
+    # Row s sees s + 1 keys: rows 0..2 are short.
+    for s in range(3):
+        assert sorted(idx[0, s, : s + 1]) == list(range(s + 1))
+        assert (idx[0, s, s + 1 :] == -1).all()
+
+
+def test_seed_and_dtype():
+    a = causal_topk_indices(2, 16, 32, 8, seed=5)
+    np.testing.assert_array_equal(a, causal_topk_indices(2, 16, 32, 8, seed=5))
+    assert not np.array_equal(a, causal_topk_indices(2, 16, 32, 8, seed=6))
+    b = causal_topk_indices(2, 16, 32, 8, seed=5, dtype="int64")
+    assert b.dtype == np.int64
+    np.testing.assert_array_equal(a, b)
+
+
+def test_keys_are_uniform_and_order_is_random():
+    """Each visible key of a row is chosen with probability topk / (p + 1), and the first slot
+    is not biased towards small keys (the kernels must not rely on sorted indices)."""
+    B, S, S_kv, topk = 400, 1, 16, 4  # one row per batch, 16 visible keys
+    idx = causal_topk_indices(B, S, S_kv, topk, seed=11)
+    counts = np.bincount(idx.reshape(-1), minlength=S_kv)
+    expected = B * topk / S_kv  # 100 per key
+    # Binomial(400, 1/4) sd ~ 8.7; +-40 is > 4.5 sd (a fixed seed makes this deterministic).
+    assert np.abs(counts - expected).max() < 40, counts
+    first = np.bincount(idx[:, 0, 0], minlength=S_kv)  # 25 expected per key, sd ~4.8
+    assert np.abs(first - B / S_kv).max() < 22, first
+    assert not (np.diff(idx[:, 0, :], axis=-1) > 0).all()  # not sorted
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        (dict(batch=0), ValueError, "^batch: expected a positive int, got 0"),
+        (dict(seq_len=-1), ValueError, "^seq_len: expected a positive int, got -1"),
+        (dict(topk=2.0), TypeError, "^topk: expected a positive Python int, got float"),
+        (dict(seq_len_kv=True), TypeError, "^seq_len_kv: expected a positive Python int, got bool"),
+        (dict(seq_len=9, seq_len_kv=8), ValueError, "^seq_len_kv: expected seq_len_kv >= seq_len=9"),
+        (dict(seed=1.5), TypeError, "^seed: expected a Python int, got float"),
+        (dict(dtype="int16"), ValueError, "^dtype: expected 'int32' or 'int64', got 'int16'"),
+        (dict(dtype=np.int32), TypeError, "^dtype: expected 'int32' or 'int64', got type"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, pattern):
+    args = dict(batch=1, seq_len=4, seq_len_kv=8, topk=2)
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    extra = {k: v for k, v in kwargs.items() if k not in args}
+    with pytest.raises(exc, match=pattern):
+        causal_topk_indices(
+            args["batch"], args["seq_len"], args["seq_len_kv"], args["topk"], **extra
+        )
