@@ -1,0 +1,105 @@
+"""MLAAttentionConfig: derived sizes, validation naming the field, (de)serialisation, presets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paddlefleet.tilelang_ops.attn.config import (
+    PRESETS,
+    MLAAttentionConfig,
+    get_preset,
+    load_config,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_deepseek_v32_sizes():
+    cfg = get_preset("deepseek_v32")
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (
+        7168, 128, 1536, 512,
+    )
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.index_topk) == (
+        128, 64, 128, 2048,
+    )
+    # Absorbed MLA: the kernel sees Dk = 512 latent + 64 rope and Dv = the 512 latent.
+    assert cfg.kernel_dk == 576 and cfg.kernel_dv == 512
+    assert cfg.sm_scale == pytest.approx(192**-0.5)
+    assert cfg.replace(softmax_scale=0.1).sm_scale == 0.1
+
+
+def test_small_preset_splits_over_eight_ranks():
+    cfg = get_preset("deepseek_v32_small", tensor_parallel_degree=8)
+    assert cfg.heads_per_rank * 8 == cfg.num_attention_heads
+    assert cfg.kernel_dk == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hidden_size", 0),
+        ("num_attention_heads", -4),
+        ("q_lora_rank", 1.5),
+        ("kv_lora_rank", None),
+        ("qk_nope_head_dim", 0),
+        ("qk_rope_head_dim", 0),
+        ("v_head_dim", True),
+        ("index_topk", 0),
+        ("tensor_parallel_degree", 0),
+        ("softmax_scale", -1.0),
+        ("rope_theta", 0.0),
+        ("rms_norm_eps", -1e-6),
+        ("use_attn_sink", "yes"),
+        ("backward_backend", "flash"),
+        ("qk_rope_head_dim", 15),
+    ],
+)
+def test_bad_field_named(field, value):
+    with pytest.raises(ValueError, match=rf"MLAAttentionConfig\.{field}"):
+        get_preset("deepseek_v32_small", **{field: value})
+
+
+def test_heads_must_divide_over_ranks():
+    with pytest.raises(ValueError, match="num_attention_heads.*tensor_parallel_degree=3"):
+        get_preset("deepseek_v32_small", tensor_parallel_degree=3)
+    with pytest.raises(ValueError, match="tensor_parallel_degree"):
+        get_preset("deepseek_v32").replace(tensor_parallel_degree=5)
+
+
+def test_dict_round_trip_and_unknown_keys():
+    cfg = get_preset("deepseek_v32_small", backward_backend=None, softmax_scale=0.25)
+    assert MLAAttentionConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown field.*num_heads"):
+        MLAAttentionConfig.from_dict({**cfg.to_dict(), "num_heads": 8})
+    data = cfg.to_dict()
+    del data["v_head_dim"]
+    with pytest.raises(ValueError, match="missing.*v_head_dim"):
+        MLAAttentionConfig.from_dict(data)
+    with pytest.raises(TypeError):
+        MLAAttentionConfig.from_dict([("hidden_size", 8)])
+
+
+def test_json_round_trip(tmp_path):
+    cfg = get_preset("deepseek_v32", tensor_parallel_degree=8)
+    path = tmp_path / "cfg.json"
+    cfg.to_json_file(path)
+    assert MLAAttentionConfig.from_json_file(path) == cfg
+    assert load_config(str(path)) == cfg
+    assert load_config(path, tensor_parallel_degree=2).tensor_parallel_degree == 2
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_shipped_json_files_equal_presets(name):
+    assert MLAAttentionConfig.from_json_file(CONFIG_DIR / f"{name}.json") == get_preset(name)
+    assert json.loads((CONFIG_DIR / f"{name}.json").read_text())["hidden_size"] > 0
+
+
+def test_load_config_errors():
+    assert load_config("deepseek_v32_small") == get_preset("deepseek_v32_small")
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_config("deepseek_v99")
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("nope")
