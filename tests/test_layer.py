@@ -1,0 +1,177 @@
+"""MQALatentAttention (one process) against an independent float64 formulation of MLA.
+
+The reference below is the *un-absorbed*, dense form: per-head keys ``k = [c_kv @ W_UK^T,
+rope(k_pe)]`` and values ``v = c_kv @ W_UV`` are materialised, every key is scored and the
+top-k choice enters as a multiplicity mask; RoPE is applied as explicit 2x2 rotation matrices.
+float64 Paddle autograd gives its gradients.  The layer (fp32, absorbed, sparse op) must match
+in output, input gradient and every parameter gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+from conftest import rel_l2
+
+from paddlefleet.tilelang_ops.attn.config import get_preset
+from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+from paddlefleet.tilelang_ops.attn.layer import (
+    REPLICATED,
+    SHARD_AXIS,
+    MQALatentAttention,
+    init_full_weights,
+    shard_of,
+)
+from paddlefleet.tilelang_ops.attn.tp import (
+    copy_to_tensor_parallel,
+    default_tensor_parallel_group,
+    reduce_from_tensor_parallel,
+)
+
+TOL = 5e-6  # fp32 layer vs float64 reference (measured ~6e-7)
+
+
+def _rotation(S, d, theta):
+    """``R [S, d, d]`` with ``rope(x)[s] = R[s] @ x[s]``: channel i pairs with i + d/2."""
+    R = np.zeros((S, d, d))
+    half = d // 2
+    for i in range(half):
+        ang = np.arange(S) * theta ** (-2.0 * i / d)
+        c, s = np.cos(ang), np.sin(ang)
+        R[:, i, i], R[:, i, i + half] = c, -s
+        R[:, i + half, i], R[:, i + half, i + half] = s, c
+    return R
+
+
+def _reference(cfg, W, x, idx):
+    B, S, _ = x.shape
+    H, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+
+    def rms(t, w):
+        return t / paddle.sqrt((t * t).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    R = paddle.to_tensor(_rotation(S, rope, cfg.rope_theta))
+    q = (rms(x @ W["wq_a"], W["q_norm_weight"]) @ W["wq_b"]).reshape([B, S, H, nope + rope])
+    q_nope, q_pe = q[..., :nope], paddle.einsum("sed,bshd->bshe", R, q[..., nope:])
+    kv_a = x @ W["wkv_a"]
+    c_kv = rms(kv_a[..., : cfg.kv_lora_rank], W["kv_norm_weight"])
+    k_pe = paddle.einsum("sed,bsd->bse", R, kv_a[..., cfg.kv_lora_rank :])
+    k_nope = paddle.einsum("btc,hdc->bthd", c_kv, W["w_uk"])  # un-absorbed per-head keys
+    v = paddle.einsum("btc,hcv->bthv", c_kv, W["w_uv"])  # per-head values
+    scores = paddle.einsum("bshd,bthd->bsht", q_nope, k_nope)
+    scores = (scores + paddle.einsum("bshr,btr->bsht", q_pe, k_pe)) * cfg.sm_scale
+    counts = np.zeros((B, S, S))
+    b, s, l = np.nonzero(idx >= 0)
+    np.add.at(counts, (b, s, idx[b, s, l]), 1.0)
+    with np.errstate(divide="ignore"):
+        scores = scores + paddle.to_tensor(np.log(counts)[:, :, None, :])
+    if "attn_sink" in W:
+        scores = paddle.concat([scores, W["attn_sink"].reshape([1, 1, H, 1]).expand([B, S, H, 1])], -1)
+    p = paddle.nn.functional.softmax(scores, -1)[..., :S]
+    o = paddle.einsum("bsht,bthv->bshv", p, v).reshape([B, S, H * cfg.v_head_dim])
+    return o @ W["wo"]
+
+
+def _case(rng, sink=True, heads=16, B=2, S=40, topk=24):
+    cfg = get_preset(
+        "deepseek_v32_small", num_attention_heads=heads, use_attn_sink=sink, index_topk=topk,
+        initializer_range=0.1, backward_backend="reference",
+    )
+    full = init_full_weights(cfg, seed=int(rng.integers(1 << 30)))
+    for key in ("q_norm_weight", "kv_norm_weight"):
+        full[key] = (1 + 0.1 * rng.standard_normal(full[key].shape)).astype(np.float32)
+    x = rng.standard_normal((B, S, cfg.hidden_size)).astype(np.float32)
+    idx = causal_topk_indices(B, S, S, topk, seed=int(rng.integers(1 << 30)))
+    gy = rng.standard_normal((B, S, cfg.hidden_size)).astype(np.float32)
+    return cfg, full, x, idx, gy
+
+
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+def test_layer_matches_unabsorbed_dense_float64(rng, sink):
+    cfg, full, x_np, idx, gy = _case(rng, sink=sink)
+    layer = MQALatentAttention(cfg)
+    layer.load_full_weights(full)
+    x = paddle.to_tensor(x_np, stop_gradient=False)
+    y = layer(x, paddle.to_tensor(idx))
+    (y * paddle.to_tensor(gy)).sum().backward()
+    assert y.dtype == paddle.float32 and list(y.shape) == list(x_np.shape)
+
+    W = {k: paddle.to_tensor(v.astype(np.float64), stop_gradient=False) for k, v in full.items()}
+    rx = paddle.to_tensor(x_np.astype(np.float64), stop_gradient=False)
+    ry = _reference(cfg, W, rx, idx)
+    (ry * paddle.to_tensor(gy.astype(np.float64))).sum().backward()
+
+    errors = {"y": rel_l2(y, ry), "dx": rel_l2(x.grad, rx.grad)}
+    for name, p in layer.named_parameters():
+        errors["grad." + name] = rel_l2(p.grad, W[name].grad)
+    assert set(errors) - {"y", "dx"} == {"grad." + k for k in full}
+    bad = {k: e for k, e in errors.items() if not e < TOL}
+    assert not bad, f"rel L2 above {TOL}: {bad}"
+
+
+def test_weights_are_slices_of_the_full_weights():
+    cfg = get_preset("deepseek_v32_small")
+    full = init_full_weights(cfg, seed=3)
+    layer = MQALatentAttention(cfg, seed=3)
+    for name, p in layer.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), full[name])
+    assert set(full) == set(SHARD_AXIS) | set(REPLICATED)
+    # Per-head generators: the slice for rank r of 4 is what a rank-r layer draws.
+    H = cfg.num_attention_heads
+    for name, axis in SHARD_AXIS.items():
+        parts = [shard_of(name, full[name], r, 4) for r in range(4)]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=axis), full[name])
+        assert parts[0].shape[axis] * 4 == full[name].shape[axis]
+    assert full["wq_b"].shape[1] == H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    assert not np.array_equal(init_full_weights(cfg, seed=4)["wo"], full["wo"])
+
+
+def test_errors():
+    cfg = get_preset("deepseek_v32_small")
+    with pytest.raises(ValueError, match="tensor_parallel_degree=2.*1 rank"):
+        MQALatentAttention(cfg.replace(tensor_parallel_degree=2))
+    with pytest.raises(TypeError, match="MLAAttentionConfig"):
+        MQALatentAttention(cfg.to_dict())
+    layer = MQALatentAttention(cfg)
+    idx = paddle.to_tensor(causal_topk_indices(1, 8, 8, 4))
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(paddle.randn([1, 8, cfg.hidden_size + 1]), idx)
+    full = init_full_weights(cfg)
+    full["wo"] = full["wo"][:-1]
+    with pytest.raises(ValueError, match="wo"):
+        layer.load_full_weights(full)
+    # The TileLang backward needs CUDA; the config's choice reaches the op.
+    cpu_tl = MQALatentAttention(cfg.replace(backward_backend="tilelang"))
+    with pytest.raises(ValueError, match="tilelang.*CUDA"):
+        cpu_tl(paddle.randn([1, 8, cfg.hidden_size]), idx)
+
+
+def test_collectives_are_identities_on_one_rank(rng):
+    assert default_tensor_parallel_group() is None
+    x = paddle.to_tensor(rng.standard_normal((3, 4)).astype(np.float32), stop_gradient=False)
+    y = reduce_from_tensor_parallel(copy_to_tensor_parallel(x) * 2.0)
+    y.sum().backward()
+    np.testing.assert_array_equal(y.numpy(), x.numpy() * 2.0)
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((3, 4), 2.0, np.float32))
+
+
+def test_training_steps_reduce_a_loss(rng):
+    # The layer trains: a few Adam steps on a fixed regression target lower the loss and every
+    # parameter moves.
+    cfg, full, x_np, idx, target = _case(rng, heads=8, S=24, topk=16)
+    layer = MQALatentAttention(cfg)
+    layer.load_full_weights(full)
+    opt = paddle.optimizer.Adam(learning_rate=1e-2, parameters=layer.parameters())
+    x, t = paddle.to_tensor(x_np), paddle.to_tensor(target)
+    idx_t = paddle.to_tensor(idx)
+    losses = []
+    for _ in range(5):
+        loss = ((layer(x, idx_t) - t) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    for name, p in layer.named_parameters():
+        assert not np.array_equal(p.numpy(), full[name]), name
