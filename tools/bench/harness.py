@@ -325,6 +325,9 @@ CSV_FIELDS = (
 
 META_FIELDS = ("gpu", "torch", "tilelang", "timestamp", "git")
 
+#: Columns read back as text even when they look numeric (a version "2.10" is not 2.1).
+TEXT_FIELDS = META_FIELDS + ("shape", "variant", "status", "note")
+
 
 def make_row(spec: Shape | None, variant: str, meta: Mapping[str, Any], **fields) -> dict:
     """A result row with every :data:`CSV_FIELDS` key (missing values ``None``)."""
@@ -410,7 +413,8 @@ def read_csv(path: str) -> list[dict]:
     rows = []
     with open(path, newline="", encoding="utf-8") as f:
         for raw in csv.DictReader(f):
-            rows.append({k: _parse_cell(v) for k, v in raw.items()})
+            rows.append({k: (v or None) if k in TEXT_FIELDS else _parse_cell(v)
+                         for k, v in raw.items()})
     return rows
 
 
