@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--indices", choices=("torch", "numpy"), default="torch",
                    help="causal top-k indices drawn on the device with torch (fast) or by "
                         "attn.indices.causal_topk_indices (numpy)")
+    p.add_argument("--no-check-indices", action="store_true",
+                   help="pass check_indices=False to our kernels (skips the index range check "
+                        "and its device->host read; default: the library default, checked)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="start no new shape after this many seconds (keeps under a 10-min limit)")
@@ -185,7 +188,17 @@ def _local_ref_bwd(torch, q, kv, grad_out, idx, sm_scale, sink=None, d_v=512):
     return grads[0], grads[1], d_sink
 
 
-def load_functions(torch, variants, cpu_standin: bool, say) -> tuple[dict, dict]:
+def _accepts(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def load_functions(torch, variants, cpu_standin: bool, say,
+                   check_indices: bool = True) -> tuple[dict, dict]:
     """Import what each variant calls.  Returns ({variant: fn(inp) -> outputs},
     {variant: reason it is skipped}); never raises on a missing module."""
     fns, skipped = {}, {}
@@ -248,14 +261,22 @@ def load_functions(torch, variants, cpu_standin: bool, say) -> tuple[dict, dict]
     bwd = getattr(interface, "mqa_latent_sparse_bwd", None) if interface else None
     if interface is not None:
         why = "interface has no mqa_latent_sparse_fwd/bwd"
+    # only passed when asked for, and only if the wrapper has the keyword
+    kw_fwd = {} if check_indices or not _accepts(fwd, "check_indices") else {
+        "check_indices": False}
+    kw_bwd = {} if check_indices or not _accepts(bwd, "check_indices") else {
+        "check_indices": False}
+    if not check_indices and not (kw_fwd and kw_bwd):
+        say("--no-check-indices: the interface has no check_indices keyword; ignored")
 
     def call_fwd(i):
-        return fwd(i["q"], i["kv"], i["idx"], i["sm_scale"], i["sink"], d_v=i["Dv"])
+        return fwd(i["q"], i["kv"], i["idx"], i["sm_scale"], i["sink"], d_v=i["Dv"], **kw_fwd)
 
     def make_bwd(deterministic):
         def call_bwd(i):
             return bwd(i["q"], i["kv"], i["out"], i["dO"], i["lse"], i["sink"], i["idx"],
-                       i["sm_scale"], deterministic=deterministic, lse_format="natural")
+                       i["sm_scale"], deterministic=deterministic, lse_format="natural",
+                       **kw_bwd)
 
         return call_bwd
 
@@ -463,7 +484,9 @@ def run(a: argparse.Namespace) -> int:
         meta["device_capability"] = list(torch.cuda.get_device_capability())
         meta["device_memory_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
 
-    fns, skipped = load_functions(torch, a.variant_list, a.cpu_standin, say)
+    fns, skipped = load_functions(torch, a.variant_list, a.cpu_standin, say,
+                                  check_indices=not a.no_check_indices)
+    meta["check_indices"] = not a.no_check_indices
     try:
         from paddlefleet.tilelang_ops.attn import reference as _ref_mod
 
