@@ -9,10 +9,15 @@ in output, input gradient and every parameter gradient.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import paddle
 import pytest
-from conftest import rel_l2
+from conftest import REPO_ROOT, rel_l2
 
 from paddlefleet.tilelang_ops.attn.config import get_preset
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
@@ -29,6 +34,7 @@ from paddlefleet.tilelang_ops.attn.tp import (
     reduce_from_tensor_parallel,
 )
 
+CONFIG_DIR = REPO_ROOT / "configs"
 TOL = 5e-6  # fp32 layer vs float64 reference (measured ~6e-7)
 
 
@@ -175,3 +181,38 @@ def test_training_steps_reduce_a_loss(rng):
     assert losses[-1] < losses[0]
     for name, p in layer.named_parameters():
         assert not np.array_equal(p.numpy(), full[name]), name
+
+
+# --- tools/train_step.py (the main job), single process ------------------------------------
+TRAIN_STEP = REPO_ROOT / "tools" / "train_step.py"
+
+
+def _train_step(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src"))
+    return subprocess.run(
+        [sys.executable, str(TRAIN_STEP), "--no-progress", *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
+def test_train_step_runs_and_loss_falls():
+    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--seq-len", "128")
+    assert res.returncode == 0, res.stdout + res.stderr
+    losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
+    assert "grad_norm" in res.stdout and "attn_sink" in res.stdout
+
+
+def test_train_step_exits_nonzero_on_nan():
+    res = _train_step("--steps", "3", "--seq-len", "64", "--inject-nan", "1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "non-finite loss/gradient at step 1" in res.stderr
+
+
+def test_train_step_config_errors(tmp_path):
+    res = _train_step("--config", str(CONFIG_DIR / "deepseek_v32.json"), "--device", "cpu")
+    assert res.returncode != 0 and "tilelang" in res.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hidden_size": 8}')
+    res = _train_step("--config", str(bad))
+    assert res.returncode != 0 and "missing required field" in res.stderr

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""A few training steps of the DeepSeek-V3.2-style sparse MLA attention layer.
+
+Builds :class:`~paddlefleet.tilelang_ops.attn.layer.MQALatentAttention` from a config (a preset
+name or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
+printing per step the loss, the global gradient norm and the gradient norm of every parameter
+(tensor-parallel shards are combined, so the numbers are the same for any ``--nproc``).  Exits
+with status 1 as soon as a loss or gradient is not finite.
+
+Examples:
+    # CPU, small preset, reference backward (a few seconds)
+    PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small
+    # the same, heads split over 4 ranks (re-launches itself with paddle.distributed.launch)
+    PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small --nproc 4
+    # Hopper GPU with paddlepaddle-gpu + tilelang-paddle: DeepSeek-V3.2 attention shape
+    # (S = 4096, top-k 2048, 128 heads, Dk 576 / Dv 512), TileLang forward and backward
+    python tools/train_step.py --config deepseek_v32 --backward-backend tilelang
+
+Defaults: on CPU the small preset, batch 1, 512 tokens; on a GPU the DeepSeek-V3.2 preset,
+batch 1, 4096 tokens.  The top-k width is ``min(config.index_topk, seq_len)``; indices come
+from ``causal_topk_indices`` (random causal keys; the DSA indexer is out of scope).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(REPO, "src")
+if SRC not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, SRC)
+
+# Set by paddle.distributed.launch in every rank it starts.
+_IN_LAUNCHED_RANK = "PADDLE_TRAINER_ID" in os.environ and "PADDLE_TRAINERS_NUM" in os.environ
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None,
+                   help="preset name (deepseek_v32, deepseek_v32_small) or JSON path; "
+                        "default: deepseek_v32 on GPU, deepseek_v32_small on CPU")
+    p.add_argument("--backward-backend", choices=("tilelang", "reference"), default=None,
+                   help="override the config's backward_backend")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=None, help="default: 4096 on GPU, 512 on CPU")
+    p.add_argument("--topk", type=int, default=None, help="default: min(index_topk, seq_len)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="tensor-parallel ranks; >1 re-launches this script with "
+                        "paddle.distributed.launch")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before a multi-rank run is killed (a broken rendezvous hangs)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
+                   help="put a NaN into the input at this step (tests the non-finite exit)")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch", "nproc"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relaunch(args, argv) -> int:
+    """Run this script on ``args.nproc`` ranks; returns the exit status (124 on timeout)."""
+    log_dir = tempfile.mkdtemp(prefix="train_step_logs_")
+    cmd = [sys.executable, "-m", "paddle.distributed.launch",
+           "--nproc_per_node", str(args.nproc),
+           "--master", f"127.0.0.1:{_free_port()}", "--log_dir", log_dir]
+    if _use_gpu(args.device):
+        cmd += ["--devices", ",".join(str(i) for i in range(args.nproc))]
+    cmd += [os.path.abspath(__file__), *argv]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (SRC, env.get("PYTHONPATH")) if x)
+    print(f"launching {args.nproc} ranks (logs: {log_dir})", flush=True)
+    # Own session: on timeout the launcher and its ranks are killed together, nothing else.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"error: {args.nproc}-rank run timed out after {args.timeout:.0f} s; "
+              f"see {log_dir}/workerlog.*", file=sys.stderr)
+        return 124
+
+
+def _use_gpu(device: str) -> bool:
+    import paddle
+
+    if device == "cpu":
+        return False
+    has_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if device == "gpu" and not has_gpu:
+        raise SystemExit("error: --device gpu, but this Paddle build sees no CUDA device")
+    return has_gpu
+
+
+def _grad_norms(layer, group) -> dict:
+    """Full-model gradient norms: per-rank shards' squares are summed over the group."""
+    import paddle
+    import paddle.distributed as dist
+
+    from paddlefleet.tilelang_ops.attn.layer import SHARD_AXIS
+    from paddlefleet.tilelang_ops.attn.tp import group_world_size
+
+    names, squares, sharded = [], [], []
+    for name, p in layer.named_parameters():
+        g = p.grad
+        names.append(name)
+        squares.append((g.astype("float32") ** 2).sum() if g is not None else paddle.zeros([]))
+        sharded.append(name in SHARD_AXIS)
+    sq = paddle.stack(squares)
+    if group_world_size(group) > 1:
+        part = sq * paddle.to_tensor([1.0 if s else 0.0 for s in sharded])
+        dist.all_reduce(part, group=group)
+        sq = paddle.where(paddle.to_tensor(sharded), part, sq)
+    sq = sq.numpy().astype("float64")
+    norms = {n: math.sqrt(v) for n, v in zip(names, sq)}
+    norms["total"] = math.sqrt(float(sq.sum()))
+    return norms
+
+
+def train(args) -> int:
+    import numpy as np
+    import paddle
+    import paddle.distributed as dist
+    from tqdm import tqdm
+
+    from paddlefleet.tilelang_ops.attn.config import load_config
+    from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+    from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
+
+    on_gpu = _use_gpu(args.device)
+    paddle.set_device("gpu" if on_gpu else "cpu")
+    world, rank = 1, 0
+    if _IN_LAUNCHED_RANK and int(os.environ["PADDLE_TRAINERS_NUM"]) > 1:
+        dist.init_parallel_env()
+        world, rank = dist.get_world_size(), dist.get_rank()
+    log = (lambda msg: tqdm.write(msg)) if rank == 0 else (lambda msg: None)
+
+    overrides = {"tensor_parallel_degree": world}
+    if args.backward_backend is not None:
+        overrides["backward_backend"] = args.backward_backend
+    name = args.config or ("deepseek_v32" if on_gpu else "deepseek_v32_small")
+    try:
+        cfg = load_config(name, **overrides)
+    except (ValueError, TypeError, OSError) as e:
+        raise SystemExit(f"error: --config {name}: {e}") from None
+    if cfg.backward_backend == "tilelang" and not on_gpu:
+        raise SystemExit(
+            f"error: config {name!r} asks for backward_backend='tilelang', which needs a CUDA "
+            "GPU; pass --backward-backend reference to run on CPU"
+        )
+    S = args.seq_len or (4096 if on_gpu else 512)
+    L = args.topk or min(cfg.index_topk, S)
+    B = args.batch
+
+    layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
+    opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=layer.parameters())
+    rng = np.random.default_rng(args.seed + 1)  # same inputs on every rank
+    x = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
+    target = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
+    idx = paddle.to_tensor(causal_topk_indices(B, S, S, L, seed=args.seed + 2))
+    log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
+        f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
+        f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
+        f"device {'gpu' if on_gpu else 'cpu'}")
+    log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}")
+
+    status = 0
+    losses = []
+    for step in tqdm(range(args.steps), desc="train", disable=rank != 0 or args.no_progress):
+        t0 = time.perf_counter()
+        x_step = x
+        if step == args.inject_nan:
+            x_step = x.clone()
+            x_step[0, 0, 0] = float("nan")
+        y = layer(x_step, idx)
+        loss = ((y - target) ** 2).mean()
+        loss.backward()
+        norms = _grad_norms(layer, layer.group)
+        loss_v = float(loss)
+        finite = math.isfinite(loss_v) and all(math.isfinite(v) for v in norms.values())
+        if finite:
+            opt.step()
+        opt.clear_grad()
+        ms = (time.perf_counter() - t0) * 1e3
+        parts = " ".join(f"{k} {v:.3e}" for k, v in norms.items() if k != "total")
+        log(f"step {step}: loss {loss_v:.6f}  grad_norm {norms['total']:.4e}  ({ms:.0f} ms)")
+        log(f"  grad norms: {parts}")
+        losses.append(loss_v)
+        if not finite:
+            bad = [k for k, v in norms.items() if not math.isfinite(v)]
+            print(f"error: non-finite loss/gradient at step {step} (loss {loss_v}, "
+                  f"non-finite grad norms: {bad or 'none'})", file=sys.stderr, flush=True)
+            status = 1
+            break
+    if status == 0:
+        log(f"done: {len(losses)} steps, loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+    return status
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parse(argv)
+    if args.nproc > 1 and not _IN_LAUNCHED_RANK:
+        return _relaunch(args, argv)
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
