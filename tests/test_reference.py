@@ -420,6 +420,12 @@ def test_lse_natural_to_log2_sink(fw, rng):
     want = np.logaddexp(lse, sink) / math.log(2.0)
     assert rel_l2(fw.np(got), want) < 1e-15
     np.testing.assert_allclose(fw.np(got)[0, 1], sink / math.log(2.0), rtol=1e-15)
+    # FlashMLA marks rows without keys with +inf instead: it must stay +inf, never NaN.
+    plus = lse.copy()
+    plus[0, 1] = np.inf
+    np.testing.assert_array_equal(
+        fw.np(lse_natural_to_log2_sink(fw.t(plus), fw.t(sink)))[0, 1], np.inf
+    )
     # Without a sink it is a change of base only; -inf stays -inf.
     got = lse_natural_to_log2_sink(fw.t(lse))
     assert rel_l2(fw.np(got), lse / math.log(2.0)) < 1e-15
