@@ -364,3 +364,25 @@ def test_gpu_path_binds_the_interface_signatures():
     for v in ("fwd", "bwd_det", "bwd_atomic"):
         with pytest.raises(ValueError, match="(?i)cuda"):
             fns[v](inp)
+
+
+def test_performance_doc_floors_and_results_block_are_current(tmp_path):
+    doc = BENCH.parent.parent / "docs" / "performance.md"
+    text = doc.read_text(encoding="utf-8")
+    shapes = [harness.SHAPES[n] for n in harness.DEFAULT_SHAPES]
+    assert harness.floors_table(shapes) in text  # regenerate the doc's table if this fails
+    copy = tmp_path / "performance.md"
+    copy.write_text(text, encoding="utf-8")
+    rows = _rows()
+    plot.update_doc(str(copy), plot.markdown(rows, dict(META, peak_tflops=790.0)))
+    new = copy.read_text(encoding="utf-8")
+    assert "Placeholder: no GPU run recorded yet" not in new
+    assert "| ref | 1 | 4096 | 8192 | 64 | 2048 | bwd_det | 20.000 |" in new
+    head, tail = text.split(plot.BEGIN_MARK)[0], text.split(plot.END_MARK)[1]
+    assert new.startswith(head) and new.endswith(tail)
+    plot.update_doc(str(copy), "again")  # the markers survive an update
+    assert plot.BEGIN_MARK + "\nagain\n" + plot.END_MARK in copy.read_text(encoding="utf-8")
+    bad = tmp_path / "bad.md"
+    bad.write_text("no markers", encoding="utf-8")
+    with pytest.raises(ValueError, match="markers"):
+        plot.update_doc(str(bad), "x")

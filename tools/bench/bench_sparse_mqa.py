@@ -398,6 +398,18 @@ class Backend:
         if not self.cpu:
             self.torch.cuda.empty_cache()
 
+    def healthy(self) -> bool:
+        """False once the CUDA context is broken (e.g. an illegal address): every later call
+        would fail too, so the run stops launching work."""
+        if self.cpu:
+            return True
+        try:
+            self.torch.cuda.synchronize()
+            x = self.torch.ones(1, device="cuda")
+            return float((x + x).item()) == 2.0
+        except Exception:  # noqa: BLE001
+            return False
+
     def name(self) -> str:
         if self.cpu:
             import platform
@@ -602,7 +614,7 @@ def run(a: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001
             status = "not run: input setup failed: " + _error_status(e)
             say(f"{s.name}: {status}")
-            if "CUDA" in str(e) and "out of memory" not in str(e):
+            if not be.healthy():
                 context_lost = f"CUDA error in {s.name} setup"
             for v in variants_for(s):
                 rows.append(harness.make_row(s, v, meta, status=status))
@@ -626,7 +638,7 @@ def run(a: argparse.Namespace) -> int:
                     break
                 except Exception as e:  # noqa: BLE001
                     say(f"{s.name}: out/lse from {src} failed: {_error_status(e)}")
-                    if "out of memory" not in str(e).lower() and "CUDA" in str(e):
+                    if not be.healthy():
                         context_lost = f"CUDA error in {s.name}/{src} (setup)"
                         break
         setup_s[s.name] = time.perf_counter() - t0
@@ -649,7 +661,7 @@ def run(a: argparse.Namespace) -> int:
                 try:
                     row.update(time_variant(
                         be, fns[v], arg_sets,
-                        warmup=min(1, a.warmup) if is_ref else a.warmup,
+                        warmup=0 if is_ref else a.warmup,  # its first call is the warm-up
                         reps=a.ref_reps if is_ref else a.reps,
                         check_repeat=not is_ref))
                     flops = harness.fwd_flops(s) if v.endswith("fwd") else harness.bwd_flops(s)
@@ -663,7 +675,7 @@ def run(a: argparse.Namespace) -> int:
                 except Exception as e:  # noqa: BLE001
                     row["status"] = _error_status(e)
                     oom = "out of memory" in str(e).lower()
-                    if not oom and ("CUDA" in str(e) or "cuda" in type(e).__name__.lower()):
+                    if not oom and not be.healthy():
                         context_lost = f"CUDA error in {s.name}/{v}"
                     say(f"{s.name}/{v}: {row['status']}")
                     if not oom:

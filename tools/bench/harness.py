@@ -500,13 +500,13 @@ def markdown_table(rows: Sequence[dict]) -> str:
     """The results as a markdown table (docs/performance.md "Results (H200)")."""
     out = [
         "| shape | B | S | S_kv | H | topk | variant | ms (p50) | p20-p80 | TFLOP/s | % of matmul peak "
-        "| peak mem MB | det/atomic |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| peak mem MB | det/atomic | bitwise repeatable |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r.get("status") != "ok":
             out.append(f"| {r.get('shape') or '-'} | | | | | | {r['variant']} | {r['status']} "
-                       "| | | | | |")
+                       "| | | | | | |")
             continue
         spread = (f"{r['ms_p20']:.3f}-{r['ms_p80']:.3f}"
                   if r.get("ms_p20") is not None and r.get("ms_p80") is not None else "-")
@@ -515,7 +515,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
             f"| {_fmt(r.get('S_kv'), 'd')} | {_fmt(r.get('H'), 'd')} | {_fmt(r.get('topk'), 'd')} "
             f"| {r['variant']} | {_fmt(r.get('ms'), '.3f')} | {spread} "
             f"| {_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('frac_peak'), '.1%')} "
-            f"| {_fmt(r.get('peak_mem_mb'), ',.0f')} | {_fmt(r.get('det_over_atomic'), '.2f')} |"
+            f"| {_fmt(r.get('peak_mem_mb'), ',.0f')} | {_fmt(r.get('det_over_atomic'), '.2f')} "
+            f"| {_fmt(r.get('repeatable'), '')} |"
         )
     return "\n".join(out)
 
