@@ -182,3 +182,25 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     assert rel_l2(tq.grad, dq) < 1e-6
     assert rel_l2(tkv.grad, dkv) < 1e-6
     assert rel_l2(tsk.grad, dsink) < 1e-6
+
+
+def test_bf16_on_cpu_keeps_dtypes(rng):
+    # Paddle's CPU build has no bf16 math, but the reference computes in fp32 internally, so a
+    # bf16 call works on CPU and returns bf16 out/dq/dkv (fp32 d_sink), close to the fp32 op.
+    q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)
+    q16 = paddle.to_tensor(q).astype("bfloat16")
+    kv16 = paddle.to_tensor(kv).astype("bfloat16")
+    q16.stop_gradient = kv16.stop_gradient = False
+    tsk = paddle.to_tensor(sk, stop_gradient=False)
+    out = sparse_mqa_attention(q16, kv16, paddle.to_tensor(idx), 0.1, tsk, d_v=d_v)
+    (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
+    assert out.dtype == q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
+    assert tsk.grad.dtype == paddle.float32
+    # fp32 op on the bf16-rounded inputs: only the output/gradient roundings differ.
+    ref_out, rq, rkv, rsk = _run_op(
+        q16.astype("float32").numpy(), kv16.astype("float32").numpy(), idx, sk, grad, d_v, 0.1
+    )
+    assert rel_l2(out, ref_out) < 1e-2
+    assert rel_l2(q16.grad, rq.grad) < 1e-2
+    assert rel_l2(kv16.grad, rkv.grad) < 1e-2
+    assert rel_l2(tsk.grad, rsk.grad) < 1e-2

@@ -143,8 +143,10 @@ def sparse_mqa_attention(
     differentiable with respect to ``query``, ``kv`` and ``attn_sink``.
 
     Args:
-        query: ``[B, S, H, Dk]``; bf16 on CUDA (the kernel's dtype), fp32 on CPU (Paddle's CPU
-            build has no bf16 math).  ``Dk = kv_lora_rank + qk_rope_head_dim`` (576).
+        query: ``[B, S, H, Dk]``; bf16 on CUDA (the kernel's dtype).  On CPU fp32 is the
+            normal choice (Paddle's CPU build has no bf16 math); bf16 also works there because
+            the reference computes in fp32 and only the results are rounded back.
+            ``Dk = kv_lora_rank + qk_rope_head_dim`` (576).
         kv: ``[B, S_kv, Dk]``, same dtype as ``query``: the shared latent; the value is
             ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64 top-k key rows, ``-1`` = empty slot.  Causality
