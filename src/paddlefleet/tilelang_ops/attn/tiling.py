@@ -1,0 +1,131 @@
+"""Tile choices of the sparse MQA-latent attention kernels, as pure functions.
+
+Why the head tile matters: every backward CTA scatters ``topk x Dk`` values into ``dKV``
+whatever its number of heads, and that scatter (not the GEMMs) dominates the backward
+(``../shared/notes/field-notes.md``: the backward at H=8 costs as much as at H=64).  So one CTA
+takes as many heads as it can hold (up to 64) instead of ``block_h``: a head group of 64 heads
+scatters once where four groups of 16 would scatter four times.  ``block_h`` (16 or 32) is the
+granularity of the head padding: the CTA tile is the padded head count rounded up to a power
+of two (16, 32 or 64: a 48-head tile cannot be split over 8 warps in 16-row slices), or 64 when
+more than 64 heads need several groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "HeadPlan",
+    "head_plan",
+    "resolve_block_h",
+    "FWD_KEY_BLOCK",
+    "BWD_KEY_BLOCK",
+    "INDEX_PAD",
+    "padded_topk",
+    "MAX_HEADS_PER_CTA",
+    "SUPPORTED_DIMS",
+    "check_head_dims",
+    "bwd_key_block",
+]
+
+#: Largest head tile of one CTA: fp32 dQ ``[64, 576]`` plus dKV ``[32, 576]`` fragments already
+#: fill the 255-register budget of 256 threads.
+MAX_HEADS_PER_CTA = 64
+#: Key block of the forward (slots per online-softmax step) and of the backward.
+FWD_KEY_BLOCK = 64
+BWD_KEY_BLOCK = 32
+#: (the backward uses 64 for a 16-head tile: see :func:`bwd_key_block`)
+#: ``L`` is padded with ``-1`` to a multiple of this (both key blocks divide it).
+INDEX_PAD = 64
+#: (Dk, Dv) pairs the kernels are built and tested for (absorbed MLA: 512 latent + 64 rope).
+SUPPORTED_DIMS = ((576, 512),)
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """How ``H`` query heads map onto CTAs.
+
+    block_h: padding granularity (16 or 32).
+    heads_per_cta: the head tile ``M`` one CTA (and one kernel specialisation) handles.
+    padded_heads: ``H_pad``, a multiple of ``heads_per_cta``; heads ``H..H_pad-1`` are zero pads.
+    num_groups: ``H_pad // heads_per_cta`` head groups per query row.
+    """
+
+    block_h: int
+    heads_per_cta: int
+    padded_heads: int
+    num_groups: int
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def resolve_block_h(num_heads: int, block_h=None) -> int:
+    """``block_h`` given, or the default: 32 when it divides ``num_heads``, else 16.
+
+    Raises:
+        ValueError: ``block_h`` not 16, 32 or None.
+    """
+    if block_h is None:
+        return 32 if num_heads % 32 == 0 else 16
+    if isinstance(block_h, bool) or block_h not in (16, 32):
+        raise ValueError(
+            f"block_h: expected 16, 32 or None, got {block_h!r}; the kernel's head tile must "
+            f"equal the head group it is handed (heads are zero-padded to a multiple of block_h), "
+            f"and only 16- and 32-head multiples are built"
+        )
+    return int(block_h)
+
+
+def head_plan(num_heads: int, block_h=None) -> HeadPlan:
+    """The head plan for ``num_heads`` (1..any) query heads.
+
+    Rule: ``H_blk = roundup(H, block_h)``; if ``H_blk <= 64`` one CTA takes all heads, the tile
+    being ``H_blk`` rounded up to a power of two (``heads_per_cta = H_pad`` in 16, 32, 64; the
+    GEMMs give each of the 8 warps 16-row slices, which 48 rows do not allow), else
+    ``heads_per_cta = 64`` and ``H_pad = roundup(H, 64)`` (several head groups per row).
+
+    Examples: H=1..16 -> tile 16 (block_h 16) or 32 (block_h 32); H=24 (block_h 16) -> 32;
+    H=40, 48 -> 64; H=64 -> 64; H=128 -> 2 groups of 64; H=100 -> H_pad 128, 2 groups.
+
+    Raises:
+        ValueError: ``num_heads < 1`` or a bad ``block_h``.
+    """
+    if isinstance(num_heads, bool) or int(num_heads) != num_heads or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    num_heads = int(num_heads)
+    bh = resolve_block_h(num_heads, block_h)
+    h_blk = _round_up(num_heads, bh)
+    if h_blk <= MAX_HEADS_PER_CTA:
+        tile = 16
+        while tile < h_blk:
+            tile *= 2
+        h_pad = tile
+    else:
+        tile, h_pad = MAX_HEADS_PER_CTA, _round_up(num_heads, MAX_HEADS_PER_CTA)
+    return HeadPlan(block_h=bh, heads_per_cta=tile, padded_heads=h_pad, num_groups=h_pad // tile)
+
+
+def bwd_key_block(heads_per_cta: int) -> int:
+    """Key block of the backward for a head tile: 64 for 16 heads, else 32.
+
+    The score GEMM ``[M, BK]`` must give each of the 8 warps a multiple of 16 rows and 8 columns:
+    ``M = 16`` leaves one warp row, so ``BK`` must be 64 (8 column slices of 8); for ``M >= 32``,
+    ``BK = 32`` keeps the fp32 dKV fragment ``[BK, 576]`` small enough to avoid spills.
+    """
+    return 64 if heads_per_cta == 16 else BWD_KEY_BLOCK
+
+
+def padded_topk(topk: int) -> int:
+    """``L`` rounded up to :data:`INDEX_PAD` (the host pads the indices with ``-1``)."""
+    return _round_up(int(topk), INDEX_PAD)
+
+
+def check_head_dims(d_qk: int, d_v: int) -> None:
+    """Raise ``ValueError`` unless the kernels are built for ``(Dk, Dv)``."""
+    if (int(d_qk), int(d_v)) not in SUPPORTED_DIMS:
+        raise ValueError(
+            f"query/kv: the TileLang kernels take (Dk, Dv) in {list(SUPPORTED_DIMS)}, got "
+            f"Dk={d_qk}, Dv={d_v}"
+        )

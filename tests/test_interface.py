@@ -1,0 +1,297 @@
+"""CPU tests of the host wrappers in ``attn/interface.py`` (no GPU, no TileLang needed).
+
+The wrappers' own logic (block_h / head plan, head padding and slicing, top-k padding with -1,
+index dtype, the LSE bridge, d_sink, the fixed-point scale, input errors) runs on CPU tensors
+against :class:`CpuStandIn`, a provider whose four launchers implement each kernel's math in
+numpy (fp64; the forward reuses ``reference.py``) and raise when handed a head count other than
+their tile.  Results are compared with the fp32 reference by relative L2 error.  Runs under
+Paddle (CI) and, where installed, PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+
+from conftest import rel_l2
+from paddlefleet.tilelang_ops.attn import interface, tiling
+from paddlefleet.tilelang_ops.attn.adapter import ops_for
+from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+from paddlefleet.tilelang_ops.attn.reference import (
+    lse_natural_to_log2_sink,
+    sparse_mqa_bwd_ref,
+    sparse_mqa_fwd_ref,
+)
+
+FRAMEWORKS = [fw for fw in ("paddle", "torch") if importlib.util.find_spec(fw) is not None]
+DK, DV = 576, 512
+SM = DK ** -0.5
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _tensor(fw, arr, dtype):
+    if fw == "paddle":
+        import paddle
+
+        t = paddle.to_tensor(np.ascontiguousarray(arr))
+        return t.astype(dtype) if dtype != str(arr.dtype) else t
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(arr)).to(getattr(torch, dtype))
+
+
+def _np(t):
+    ops = ops_for(t)
+    if ops.dtype(t) in ("bfloat16", "float16"):
+        t = ops.cast(t, "float32")
+    return np.asarray(ops.to_numpy(t))
+
+
+def _write(dst, arr):
+    ops = ops_for(dst)
+    dst[...] = ops.cast(ops.from_numpy(np.ascontiguousarray(arr), dst), ops.dtype(dst))
+
+
+class CpuStandIn:
+    """CPU stand-ins of the four kernels (their exact math, in numpy fp64).
+
+    Each launcher checks that it is handed a whole number of head tiles of ``heads_per_cta``
+    heads (16, 32 or 64) and processes one tile at a time, as the kernels' CTAs do.
+    """
+
+    device = "cpu"
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _groups(m, h_pad):
+        if m not in (16, 32, 64) or h_pad % m:
+            raise AssertionError(f"kernel tile {m} handed {h_pad} heads")
+        return [slice(g * m, (g + 1) * m) for g in range(h_pad // m)]
+
+    def fwd(self, m, q, kv, idx, sink, scale, out, lse):
+        h_pad = ops_for(q).shape(q)[2]
+        self.calls.append(("fwd", m, h_pad, ops_for(idx).shape(idx)[-1]))
+        sm = float(_np(scale)[0])
+        o_all, l_all = np.zeros(_np(out).shape), np.zeros(_np(lse).shape)
+        for sl in self._groups(m, h_pad):
+            ops = ops_for(q)
+            qg = ops.contiguous(q[:, :, sl])
+            sg = ops.contiguous(sink[sl])
+            o, l = sparse_mqa_fwd_ref(qg, kv, idx, sm, sg, d_v=ops.shape(out)[-1])
+            o_all[:, :, sl], l_all[:, :, sl] = _np(o), _np(l)
+        _write(out, o_all)
+        _write(lse, l_all)
+
+    def bwd_preprocess(self, out2d, do2d, delta):
+        self.calls.append(("pre",))
+        _write(delta, (_np(out2d).astype(np.float64) * _np(do2d)).sum(-1))
+
+    def bwd_main(self, m, det, q, kv, do, idx, lse2, delta, scale, dq, acc):
+        Q, KV, DO, I = _np(q).astype(np.float64), _np(kv).astype(np.float64), _np(do), _np(idx)
+        LSE2, DEL, ACC = _np(lse2), _np(delta), _np(acc)
+        sm, fx = (float(v) for v in _np(scale))
+        B, S, h_pad, _ = Q.shape
+        dv = DO.shape[-1]
+        self.calls.append(("main", m, h_pad, I.shape[-1], det))
+        valid = I >= 0
+        safe = np.where(valid, I, 0)
+        K = np.stack([KV[b][safe[b]] for b in range(B)])  # [B, S, L, Dk]
+        dQ = np.zeros_like(Q)
+        for sl in self._groups(m, h_pad):
+            s = np.einsum("bshd,bsld->bshl", Q[:, :, sl], K)
+            s = np.where(valid[:, :, None, :], s, -np.inf)
+            P = np.exp2(s * sm * LOG2E - LSE2[:, :, sl, None])
+            dP = np.einsum("bshd,bsld->bshl", DO[:, :, sl], K[..., :dv])
+            dS = P * (dP - DEL[:, :, sl, None]) * sm
+            dQ[:, :, sl] = np.einsum("bshl,bsld->bshd", dS, K)
+            contrib = np.einsum("bshl,bshd->bsld", dS, Q[:, :, sl])
+            contrib[..., :dv] += np.einsum("bshl,bshd->bsld", P, DO[:, :, sl])
+            for b in range(B):
+                rows, c = I[b][valid[b]], contrib[b][valid[b]]
+                if det:
+                    np.add.at(ACC[b], rows, np.rint(c * fx).astype(np.int64))
+                else:
+                    np.add.at(ACC[b], rows, c.astype(np.float32))
+        _write(dq, dQ)
+        _write(acc, ACC)
+
+    def bwd_postprocess(self, acc, scale, dkv):
+        self.calls.append(("post",))
+        _write(dkv, _np(acc).astype(np.float64) / float(_np(scale)[1]))
+
+
+def _case(fw, B, S, S_kv, H, L, sink, seed, index_dtype="int32", empty_rows=()):
+    rng = np.random.default_rng(seed)
+    q = _tensor(fw, rng.standard_normal((B, S, H, DK), dtype=np.float32), "bfloat16")
+    kv = _tensor(fw, rng.standard_normal((B, S_kv, DK), dtype=np.float32), "bfloat16")
+    do = _tensor(fw, rng.standard_normal((B, S, H, DV), dtype=np.float32), "bfloat16")
+    sk = _tensor(fw, rng.standard_normal((H,), dtype=np.float32) + 1, "float32") if sink else None
+    idx = causal_topk_indices(B, S, S_kv, L, seed=seed, dtype=index_dtype)
+    for r in empty_rows:
+        idx[:, r] = -1
+    return q, kv, do, sk, _tensor(fw, idx, index_dtype)
+
+
+@pytest.mark.parametrize(
+    "H, block_h, tile, h_pad",
+    [(1, None, 16, 16), (8, 32, 32, 32), (16, None, 16, 16), (24, None, 32, 32),
+     (32, None, 32, 32), (40, None, 64, 64), (48, 16, 64, 64), (64, None, 64, 64),
+     (100, None, 64, 128), (128, 16, 64, 128)],
+)
+def test_head_plan(H, block_h, tile, h_pad):
+    plan = tiling.head_plan(H, block_h)
+    assert (plan.heads_per_cta, plan.padded_heads) == (tile, h_pad)
+    assert plan.num_groups * plan.heads_per_cta == plan.padded_heads >= H
+    assert plan.block_h == (block_h or (32 if H % 32 == 0 else 16))
+
+
+@pytest.mark.parametrize("bad", [8, 64, 0, True, "32"])
+def test_block_h_must_be_16_or_32(bad):
+    with pytest.raises(ValueError, match="block_h.*head tile"):
+        tiling.head_plan(64, bad)
+
+
+def test_key_blocks_divide_index_pad():
+    for m in (16, 32, 64):
+        assert tiling.INDEX_PAD % tiling.bwd_key_block(m) == 0
+    assert tiling.INDEX_PAD % tiling.FWD_KEY_BLOCK == 0
+    assert [tiling.padded_topk(L) for L in (1, 64, 65, 100, 2048)] == [64, 64, 128, 128, 2048]
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize(
+    "H, L, sink, block_h, index_dtype",
+    [(1, 64, True, None, "int32"), (24, 100, False, None, "int64"), (40, 70, True, 16, "int32"),
+     (100, 64, True, None, "int32")],
+)
+def test_fwd_through_stand_in_matches_reference(fw, H, L, sink, block_h, index_dtype):
+    q, kv, _, sk, idx = _case(fw, 1, 6, 80, H, L, sink, seed=H, index_dtype=index_dtype,
+                              empty_rows=(1,))
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, block_h=block_h,
+                                               provider=prov)
+    ref_out, ref_lse = sparse_mqa_fwd_ref(q, kv, idx, SM, sk)
+    assert ops_for(out).shape(out) == (1, 6, H, DV) and ops_for(out).dtype(out) == "bfloat16"
+    assert ops_for(lse).shape(lse) == (1, 6, H) and ops_for(lse).dtype(lse) == "float32"
+    assert rel_l2(out, ref_out) < 1e-2
+    assert rel_l2(lse, ref_lse) < 1e-5
+    plan = tiling.head_plan(H, block_h)
+    assert prov.calls == [("fwd", plan.heads_per_cta, plan.padded_heads, tiling.padded_topk(L))]
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("det", [True, False])
+@pytest.mark.parametrize("H, sink, lse_format", [(3, True, "natural"), (40, False, "natural"),
+                                                 (100, True, "log2_sink")])
+def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
+    q, kv, do, sk, idx = _case(fw, 2, 5, 70, H, 100, sink, seed=H + 1, empty_rows=(0,))
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    if lse_format == "log2_sink":
+        lse = lse_natural_to_log2_sink(lse, sk)
+    dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM,
+                                                  deterministic=det, lse_format=lse_format,
+                                                  provider=prov)
+    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    errs = (rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv))
+    assert max(errs) < 1e-2, errs
+    ops = ops_for(dq)
+    assert ops.shape(dq) == (2, 5, H, DK) and ops.dtype(dq) == "bfloat16"
+    assert ops.shape(dkv) == (2, 70, DK) and ops.dtype(dkv) == "bfloat16"
+    assert ops.shape(ds) == (H,) and ops.dtype(ds) == "float32"
+    if sink:
+        assert rel_l2(ds, ref_ds) < 1e-2
+    else:
+        assert not _np(ds).any()
+    plan = tiling.head_plan(H)
+    names = [c[0] for c in prov.calls]
+    assert names == ["fwd", "pre", "main"] + (["post"] if det else [])
+    assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_deterministic_backward_is_repeatable(fw):
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=5)
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    a = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    b = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    for x, y in zip(a, b):
+        assert np.array_equal(_np(x), _np(y))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_non_contiguous_inputs(fw):
+    q, kv, do, sk, idx = _case(fw, 2, 4, 64, 8, 64, True, seed=9)
+    ops = ops_for(q)
+    if fw == "paddle":
+        qt = q.transpose([1, 0, 2, 3]).contiguous().transpose([1, 0, 2, 3])
+    else:
+        qt = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not ops.is_contiguous(qt)
+    a, _ = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=CpuStandIn())
+    b, _ = interface.mqa_latent_sparse_fwd(qt, kv, idx, SM, sk, provider=CpuStandIn())
+    assert np.array_equal(_np(a), _np(b))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_fixed_point_scale_bounds_dkv(fw):
+    q, kv, do, sk, idx = _case(fw, 1, 8, 64, 16, 64, True, seed=2)
+    ops = ops_for(q)
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    delta = _tensor(fw, (_np(out).astype(np.float64) * _np(do)).sum(-1).astype(np.float32),
+                    "float32")
+    scale = float(_np(interface.fixed_point_scale(ops, q, kv, do, delta, SM, 8 * 16))[0])
+    mant, exp = math.frexp(scale)
+    assert mant == 0.5 and -100 <= exp - 1 <= 100
+    _, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk, dtype="float64")
+    assert np.abs(_np(ref_dkv)).max() * scale < 2.0**62
+    # doubling the queries raises the bound: the scale can only shrink
+    q2 = ops.cast(ops.cast(q, "float32") * 2.0, "bfloat16")
+    scale2 = float(_np(interface.fixed_point_scale(ops, q2, kv, do, delta, SM, 8 * 16))[0])
+    assert scale2 <= scale
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_bad_inputs_raise_naming_the_tensor(fw):
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=3)
+    prov = CpuStandIn()
+    ops = ops_for(q)
+    with pytest.raises(TypeError, match="query"):
+        interface.mqa_latent_sparse_fwd(ops.cast(q, "float32"), ops.cast(kv, "float32"), idx,
+                                        SM, provider=prov)
+    with pytest.raises(TypeError, match="token_indices"):
+        interface.mqa_latent_sparse_fwd(q, kv, ops.cast(idx, "float32"), SM, provider=prov)
+    bad = _tensor(fw, np.full((1, 4, 64), 64, dtype=np.int32), "int32")
+    with pytest.raises(ValueError, match="token_indices"):
+        interface.mqa_latent_sparse_fwd(q, kv, bad, SM, provider=prov)
+    bad = _tensor(fw, np.full((1, 4, 64), -2, dtype=np.int32), "int32")
+    with pytest.raises(ValueError, match="token_indices"):
+        interface.mqa_latent_sparse_fwd(q, kv, bad, SM, provider=prov)
+    with pytest.raises(ValueError, match="query"):  # CPU tensors with the CUDA kernels
+        interface.mqa_latent_sparse_fwd(q, kv, idx, SM)
+    with pytest.raises(ValueError, match="Dk"):
+        interface.mqa_latent_sparse_fwd(q[..., :64], kv[..., :64], idx, SM, d_v=64,
+                                        provider=prov)
+    with pytest.raises(ValueError, match="sm_scale"):
+        interface.mqa_latent_sparse_fwd(q, kv, idx, 0.0, provider=prov)
+    with pytest.raises(ValueError, match="block_h"):
+        interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=48, provider=prov)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    with pytest.raises(ValueError, match="lse_format"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, lse_format="log2",
+                                        provider=prov)
+    with pytest.raises(TypeError, match="deterministic"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=1,
+                                        provider=prov)
+    with pytest.raises(TypeError, match="grad_out"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, ops.cast(do, "float32"), lse, sk, idx, SM,
+                                        provider=prov)
+    with pytest.raises(ValueError, match="lse"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse[:, :2], sk, idx, SM, provider=prov)

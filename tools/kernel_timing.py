@@ -1,0 +1,88 @@
+"""Time the TileLang kernels at one shape (default: the reference shape of docs/performance.md).
+
+    python tools/kernel_timing.py                     # B=1 S=4096 S_kv=8192 H=64 topk=2048
+    python tools/kernel_timing.py --heads 8 128 --topk 640
+
+Prints, per head count, the median time (CUDA events, several repeats) of the forward, the
+deterministic backward and the atomic backward, each through its host wrapper (padding and
+preprocess included), with TFLOP/s from the usual FLOP counts
+(fwd ``2*B*S*H*topk*(Dk+Dv)``, bwd ``2*B*S*H*topk*(2*Dv+3*Dk)``).  Needs PyTorch with CUDA.
+The benchmark suite proper (CSV, plots, baselines) lives in tools/bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+DK, DV = 576, 512
+
+
+def _time(fn, warmup=3, reps=10):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), min(times), max(times)
+
+
+def main(argv=None):
+    import torch
+
+    from paddlefleet.tilelang_ops.attn import interface
+    from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq-kv", type=int, default=8192)
+    ap.add_argument("--heads", type=int, nargs="+", default=[64])
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--sink", action="store_true")
+    ap.add_argument("--reps", type=int, default=10)
+    ns = ap.parse_args(argv)
+    B, S, S_kv, L = ns.batch, ns.seq, ns.seq_kv, ns.topk
+    idx = torch.from_numpy(causal_topk_indices(B, S, S_kv, L, seed=0)).cuda()
+    sm = DK ** -0.5
+    print(f"GPU {torch.cuda.get_device_name()}  B={B} S={S} S_kv={S_kv} topk={L} "
+          f"sink={ns.sink}", flush=True)
+    for H in ns.heads:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn((B, S, H, DK), generator=g, device="cuda").bfloat16()
+        kv = torch.randn((B, S_kv, DK), generator=g, device="cuda").bfloat16()
+        do = torch.randn((B, S, H, DV), generator=g, device="cuda").bfloat16()
+        sink = torch.randn((H,), generator=g, device="cuda") if ns.sink else None
+        out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False)
+        fwd = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink,  # noqa: E731
+                                                      check_indices=False)
+
+        def bwd(det):
+            return lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
+                                                           deterministic=det,
+                                                           check_indices=False)
+
+        f_flop = 2.0 * B * S * H * L * (DK + DV)
+        b_flop = 2.0 * B * S * H * L * (2 * DV + 3 * DK)
+        for name, fn, flop in (("fwd", fwd, f_flop), ("bwd_det", bwd(True), b_flop),
+                               ("bwd_atomic", bwd(False), b_flop)):
+            med, lo, hi = _time(fn, reps=ns.reps)
+            print(f"H={H:4d} {name:10s} {med:8.3f} ms (min {lo:.3f}, max {hi:.3f})  "
+                  f"{flop / med / 1e9:7.1f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

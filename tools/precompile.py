@@ -1,0 +1,106 @@
+"""Compile (or only lower) every TileLang kernel specialisation in parallel.
+
+A fresh GPU host pays 9-16 s of JIT compile per kernel; compiling them one after another inside
+pytest would take minutes.  This tool builds them in a process pool that shares
+``TILELANG_CACHE_DIR``, so the tests and the benchmark afterwards find every kernel cached.
+
+    python tools/precompile.py                  # compile all (GPU host), 16 workers
+    python tools/precompile.py --lower-only     # lower for sm_90a only (any CPU machine)
+    python tools/precompile.py --heads 64 --jobs 4
+
+Specialisations: the forward and both backward flavours (deterministic / atomic) for every head
+tile in ``--heads`` (default 16 32 64, all the tiles ``tiling.head_plan`` can give), plus
+the backward preprocess and postprocess.  Prints one line per kernel and a summary; exits 1 if
+any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+os.environ.setdefault("TILELANG_CACHE_DIR", str(ROOT / ".tilelang-cache"))
+
+D_QK, D_V = 576, 512
+
+
+def kernel_specs(heads=(16, 32, 64)):
+    """``(name, args)`` of every specialisation; ``args`` as the kernel builders take them."""
+    from paddlefleet.tilelang_ops.attn import tiling
+
+    specs = [("bwd_preprocess", (D_V,)), ("bwd_postprocess", (D_QK,))]
+    for m in heads:
+        specs.append(("fwd", (m, D_QK, D_V)))
+        for det in (True, False):
+            specs.append(("bwd_main", (m, D_QK, D_V, det, tiling.bwd_key_block(m))))
+    return specs
+
+
+def _builder(name):
+    if name == "fwd":
+        from paddlefleet.tilelang_ops.attn.kernels.sparse_fwd import sparse_fwd
+
+        return sparse_fwd
+    from paddlefleet.tilelang_ops.attn.kernels import sparse_bwd
+
+    return {"bwd_preprocess": sparse_bwd.preprocess, "bwd_main": sparse_bwd.main,
+            "bwd_postprocess": sparse_bwd.postprocess}[name]
+
+
+def lower(name, args, pass_configs=None):
+    """Lower one specialisation for ``settings.TARGET``; returns TileLang's artifact
+    (``.kernel_source``, ``.device_mod``)."""
+    from paddlefleet.tilelang_ops import settings
+
+    tl = settings.import_tilelang()
+    from tilelang import tvm
+
+    cfg = settings.PASS_CONFIGS if pass_configs is None else pass_configs
+    with tvm.transform.PassContext(opt_level=3, config=cfg), tvm.target.Target(settings.TARGET):
+        tir = _builder(name).get_tir(*args)
+        return tl.lower(tir, target=settings.TARGET)
+
+
+def _build_one(name, args, lower_only):
+    t0 = time.time()
+    try:
+        if lower_only:
+            lower(name, args)
+        else:
+            _builder(name)(*args)  # compiles and stores in TILELANG_CACHE_DIR
+        return name, args, time.time() - t0, None
+    except Exception as exc:  # report every failure, keep building the others
+        return name, args, time.time() - t0, f"{type(exc).__name__}: {exc}"[-2000:]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lower-only", action="store_true")
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    ns = ap.parse_args(argv)
+    specs = kernel_specs(tuple(ns.heads))
+    t0 = time.time()
+    failed = 0
+    with ProcessPoolExecutor(max_workers=ns.jobs) as pool:
+        futs = [pool.submit(_build_one, n, a, ns.lower_only) for n, a in specs]
+        for fut in as_completed(futs):
+            name, args, dt, err = fut.result()
+            status = "ok" if err is None else "FAILED"
+            print(f"[precompile] {status:6s} {name}{args} {dt:.1f}s", flush=True)
+            if err is not None:
+                failed += 1
+                print(err, flush=True)
+    print(f"[precompile] {len(specs) - failed}/{len(specs)} kernels in {time.time() - t0:.1f}s "
+          f"(cache {os.environ['TILELANG_CACHE_DIR']})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
