@@ -148,13 +148,14 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     calls = {}
 
-    def fake_fwd(query, kv_, token_indices, sm_scale, attn_sink=None, d_v=512, block_h=None):
+    def fake_fwd(query, kv_, token_indices, sm_scale, attn_sink=None, d_v=512, block_h=None,
+                 **kwargs):
         out, lse = sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=d_v)
         calls["fwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy())
         return out, lse
 
     def fake_bwd(query, kv_, out, grad_out, lse, attn_sink, token_indices, sm_scale,
-                 block_h=None, deterministic=True, lse_format="natural"):
+                 block_h=None, deterministic=True, lse_format="natural", **kwargs):
         calls["bwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
                             deterministic=deterministic, lse_format=lse_format)
         return sparse_mqa_bwd_ref(query, kv_, grad_out, token_indices, sm_scale, attn_sink,
@@ -204,3 +205,49 @@ def test_bf16_on_cpu_keeps_dtypes(rng):
     assert rel_l2(q16.grad, rq.grad) < 1e-2
     assert rel_l2(kv16.grad, rkv.grad) < 1e-2
     assert rel_l2(tsk.grad, rsk.grad) < 1e-2
+
+
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sink):
+    """The op's CUDA path through the real host wrappers (``interface.py``: validation, head
+    padding, LSE bridge, fixed-point dKV), with the four kernels replaced by the CPU stand-ins
+    of tests/test_interface.py.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels take."""
+    from test_interface import CpuStandIn
+
+    from paddlefleet.tilelang_ops.attn import interface
+
+    stand_in = CpuStandIn()
+    monkeypatch.setattr(interface, "_DEFAULT_PROVIDER", stand_in)
+    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", interface)
+    B, S, H, S_kv, L = 1, 6, 20, 12, 8  # 20 heads: padded to a 16-head tile multiple
+    q = rng.standard_normal((B, S, H, 576)).astype(np.float32)
+    kv = rng.standard_normal((B, S_kv, 576)).astype(np.float32)
+    idx = rng.integers(-1, S_kv, (B, S, L)).astype(np.int32)
+    idx[..., 0] = np.abs(idx[..., 0])
+    sk = rng.standard_normal(H).astype(np.float32) if sink else None
+    grad = rng.standard_normal((B, S, H, 512)).astype(np.float32)
+    scale = 576**-0.5
+
+    q16 = paddle.to_tensor(q).astype("bfloat16")
+    kv16 = paddle.to_tensor(kv).astype("bfloat16")
+    q16.stop_gradient = kv16.stop_gradient = False
+    tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=False)
+    out = SparseMQAAttentionFunction.apply(
+        q16, kv16, paddle.to_tensor(idx), tsk, scale, 512, "tilelang", "cuda"
+    )
+    assert out.dtype == paddle.bfloat16
+    (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
+    assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
+    kinds = [c[0] for c in stand_in.calls]
+    assert kinds == ["fwd", "pre", "main", "post"], stand_in.calls
+    assert stand_in.calls[2][-1] is True  # the deterministic backward
+
+    # fp32 reference on the same bf16-rounded inputs; bf16 outputs, so ~1e-2 relative.
+    ref_out, rq, rkv, rsk = _run_op(
+        q16.astype("float32").numpy(), kv16.astype("float32").numpy(), idx, sk, grad, 512, scale
+    )
+    assert rel_l2(out, ref_out) < 1e-2
+    assert rel_l2(q16.grad, rq.grad) < 1e-2
+    assert rel_l2(kv16.grad, rkv.grad) < 1e-2
+    if sink:
+        assert rel_l2(tsk.grad, rsk.grad) < 1e-2
