@@ -297,12 +297,19 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
     assert rc == 0
     payload = json.loads((out / "results.json").read_text())
     rows = payload["rows"]
-    assert [r["variant"] for r in rows] == ["matmul_fp32_256", "fwd", "bwd_atomic", "bwd_det",
-                                            "ref_fwd", "ref_bwd"]
+    assert [r["variant"] for r in rows] == ["matmul_fp32", "copy", "fwd", "bwd_atomic",
+                                            "bwd_det", "ref_fwd", "ref_bwd"]
     assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
     for r in rows:
         assert r["reps"] == (1 if r["variant"].startswith("ref") else 3)
-        assert r["ms_p20"] <= r["ms"] <= r["ms_p80"] and r["tflops"] > 0
+        assert r["ms_p20"] <= r["ms"] <= r["ms_p80"]
+        assert (r["tflops"] is None) == (r["variant"] == "copy")
+        assert (r["tbs"] is None) == r["variant"].startswith("matmul")
+    meta = payload["meta"]
+    assert meta["peak_tflops"] == rows[0]["tflops"] and meta["copy_tbs"] == rows[1]["tbs"]
+    for r in rows[2:]:
+        assert r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"]) and r["x_floor"] > 0
+        assert r["frac_peak"] == pytest.approx(r["tflops"] / meta["peak_tflops"])
     det = next(r for r in rows if r["variant"] == "bwd_det")
     atomic = next(r for r in rows if r["variant"] == "bwd_atomic")
     assert det["det_over_atomic"] == pytest.approx(det["ms"] / atomic["ms"])
@@ -336,7 +343,7 @@ def test_a_variant_that_fails_is_recorded_and_the_run_goes_on(tmp_path, monkeypa
     out = tmp_path / "b"
     rc = bench_sparse_mqa.main(["--cpu-standin", "--shapes", "tiny", "--reps", "2", "--warmup",
                                 "0", "--ref-reps", "1", "--no-progress", "--no-plot",
-                                "--matmul-n", "0", "--out", str(out)])
+                                "--matmul-n", "0", "--copy-mb", "0", "--out", str(out)])
     assert rc == 0
     rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert rows["bwd_atomic"]["status"] == "error: RuntimeError: kernel exploded"
@@ -386,3 +393,13 @@ def test_performance_doc_floors_and_results_block_are_current(tmp_path):
     bad.write_text("no markers", encoding="utf-8")
     with pytest.raises(ValueError, match="markers"):
         plot.update_doc(str(bad), "x")
+
+
+def test_fill_rates_floor_and_bandwidth():
+    r = harness.make_row(REF, "bwd_det", META, ms=7.48)
+    harness.fill_rates(r, harness.bwd_flops(REF), 790.0, harness.bwd_min_bytes(REF), 4.3)
+    assert r["floor_ms"] == pytest.approx(harness.bwd_flops(REF) / 790e12 * 1e3)
+    assert r["x_floor"] == pytest.approx(7.48 / r["floor_ms"]) and 1.9 < r["x_floor"] < 2.1
+    assert r["tbs"] == pytest.approx(harness.bwd_min_bytes(REF) / 7.48e-3 / 1e12)
+    untimed = harness.fill_rates(harness.make_row(REF, "fwd", META), 1e12, 790.0, 1e9, 4.3)
+    assert all(untimed[k] is None for k in ("tflops", "tbs", "floor_ms", "x_floor"))

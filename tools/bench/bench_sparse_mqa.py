@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the reference where its estimated memory exceeds this (GB)")
     p.add_argument("--no-ref", action="store_true", help="do not time the reference")
     p.add_argument("--matmul-n", type=int, default=8192, help="dense matmul size (0: skip)")
+    p.add_argument("--copy-mb", type=int, default=1024,
+                   help="device-to-device copy size in MiB for the bandwidth ceiling (0: skip)")
     p.add_argument("--no-sink", action="store_true", help="benchmark without an attention sink")
     p.add_argument("--sm-scale", type=float, default=DEFAULT_SM_SCALE)
     p.add_argument("--indices", choices=("torch", "numpy"), default="torch",
@@ -203,6 +205,9 @@ def load_functions(torch, variants, cpu_standin: bool, say,
     {variant: reason it is skipped}); never raises on a missing module."""
     fns, skipped = {}, {}
     ref_fwd = ref_bwd = None
+    # the backward needs out/lse, which our forward makes, even when fwd itself is not timed
+    variants = list(variants) + (["fwd"] if "fwd" not in variants and any(
+        v in variants for v in ("bwd_det", "bwd_atomic")) else [])
     try:
         from paddlefleet.tilelang_ops.attn import reference as ref_mod
 
@@ -547,7 +552,7 @@ def run(a: argparse.Namespace) -> int:
     def variants_for(shp):
         return [v for v in a.variant_list if v not in REFS or shp.name in a.ref_shape_names]
 
-    tasks = (1 if a.matmul_n else 0) + sum(len(variants_for(x)) for x in a.shape_list)
+    tasks = (1 if a.matmul_n else 0) + (1 if a.copy_mb else 0) + sum(len(variants_for(x)) for x in a.shape_list)
     bar = None
     if tqdm is not None and not a.no_progress:
         bar = tqdm(total=tasks, desc="bench", unit="run", file=sys.stderr, mininterval=1.0,
@@ -563,7 +568,7 @@ def run(a: argparse.Namespace) -> int:
     if a.matmul_n:
         n = min(a.matmul_n, 256) if a.cpu_standin else a.matmul_n
         dt = torch.float32 if a.cpu_standin else torch.bfloat16  # CPU bf16 GEMM is slow
-        row = harness.make_row(None, f"matmul_{'fp32' if a.cpu_standin else 'bf16'}_{n}", meta,
+        row = harness.make_row(None, f"matmul_{'fp32' if a.cpu_standin else 'bf16'}", meta,
                                shape=f"{n}^3")
         try:
             g = torch.Generator(device=be.device)
@@ -583,9 +588,38 @@ def run(a: argparse.Namespace) -> int:
             + (f" {row['ms']:.3f} ms = {row['tflops']:.0f} TFLOP/s" if row.get("ms") else ""))
         advance("matmul")
         be.free()
+    # ---- the card's copy bandwidth (bytes read + written), for the memory floor ----------
+    copy_tbs = None
+    if a.copy_mb:
+        nbytes = int(min(a.copy_mb, 8) if a.cpu_standin else a.copy_mb) * 2 ** 20
+        row = harness.make_row(None, "copy", meta, shape=f"{nbytes >> 20}MiB")
+        try:
+            bufs = [torch.empty(nbytes, dtype=torch.uint8, device=be.device).fill_(k + 1)
+                    for k in range(a.sets)]
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=be.device)
+            row.update(time_variant(be, dst.copy_, [(b,) for b in bufs], a.warmup, a.reps,
+                                    False))
+            harness.fill_rates(row, None, None, nbytes=2 * nbytes)
+            copy_tbs = row["tbs"]
+            del bufs, dst
+        except Exception as e:  # noqa: BLE001
+            row["status"] = _error_status(e)
+        rows.append(row)
+        say(f"copy {nbytes >> 20} MiB: {row['status']}"
+            + (f" {row['ms']:.3f} ms = {row['tbs']:.2f} TB/s" if row.get("ms") else ""))
+        advance("copy")
+        be.free()
+    meta["copy_tbs"] = copy_tbs or harness.H200_COPY_TBS
     meta["peak_tflops"] = peak_tflops or harness.H200_MATMUL_TFLOPS
+    meta["copy_source"] = ("measured" if copy_tbs else
+                           f"planning value {harness.H200_COPY_TBS:g} (copy not measured)")
     meta["peak_source"] = (f"measured {rows[0]['variant']}" if peak_tflops else
                            f"planning value {harness.H200_MATMUL_TFLOPS:g} (matmul not measured)")
+    payload["floors_measured"] = {
+        s.name: {p: harness.floor(fl, by, meta["peak_tflops"], meta["copy_tbs"])
+                 for p, fl, by in (("fwd", harness.fwd_flops(s), harness.fwd_min_bytes(s)),
+                                   ("bwd", harness.bwd_flops(s), harness.bwd_min_bytes(s)))}
+        for s in a.shape_list}
     save()
 
     # ---- shapes ---------------------------------------------------------------------------
@@ -664,8 +698,10 @@ def run(a: argparse.Namespace) -> int:
                         warmup=0 if is_ref else a.warmup,  # its first call is the warm-up
                         reps=a.ref_reps if is_ref else a.reps,
                         check_repeat=not is_ref))
-                    flops = harness.fwd_flops(s) if v.endswith("fwd") else harness.bwd_flops(s)
-                    harness.fill_rates(row, flops, meta["peak_tflops"])
+                    fwd_pass = v.endswith("fwd")
+                    flops = harness.fwd_flops(s) if fwd_pass else harness.bwd_flops(s)
+                    nbytes = harness.fwd_min_bytes(s) if fwd_pass else harness.bwd_min_bytes(s)
+                    harness.fill_rates(row, flops, meta["peak_tflops"], nbytes, meta["copy_tbs"])
                     if a.cpu_standin and v in OURS:
                         row["note"] = "; ".join(x for x in (row.get("note"),
                                                             "cpu-standin: reference") if x)

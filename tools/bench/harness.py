@@ -319,7 +319,7 @@ CSV_FIELDS = (
     "gpu", "torch", "tilelang", "timestamp", "git",
     "shape", "B", "S", "S_kv", "H", "topk", "Dk", "Dv",
     "variant", "status", "reps", "ms", "ms_p20", "ms_p80", "ms_min",
-    "gflop", "tflops", "frac_peak", "peak_mem_mb", "extra_mem_mb",
+    "gflop", "tflops", "frac_peak", "tbs", "floor_ms", "x_floor", "peak_mem_mb", "extra_mem_mb",
     "det_over_atomic", "repeatable", "first_call_s", "note",
 )
 
@@ -346,13 +346,25 @@ def make_row(spec: Shape | None, variant: str, meta: Mapping[str, Any], **fields
     return row
 
 
-def fill_rates(row: dict, flops: float | None, peak_tflops: float | None) -> dict:
-    """Set ``gflop``, ``tflops`` and ``frac_peak`` of a timed row (in place; returns it)."""
-    if flops is not None and row.get("ms"):
+def fill_rates(row: dict, flops: float | None, peak_tflops: float | None,
+               nbytes: float | None = None, bw_tbs: float | None = None) -> dict:
+    """Set the rates of a timed row (in place; returns it): ``gflop``, ``tflops`` and
+    ``frac_peak`` from ``flops``; ``tbs`` (``nbytes`` per time, TB/s) from ``nbytes``; and with
+    all four, ``floor_ms`` (:func:`floor` at ``peak_tflops``/``bw_tbs``) and ``x_floor``
+    (measured / floor)."""
+    ms = row.get("ms")
+    if not ms:
+        return row
+    if flops is not None:
         row["gflop"] = flops / 1e9
-        row["tflops"] = tflops(flops, row["ms"])
+        row["tflops"] = tflops(flops, ms)
         if peak_tflops:
             row["frac_peak"] = row["tflops"] / peak_tflops
+    if nbytes is not None:
+        row["tbs"] = nbytes / (ms * 1e-3) / 1e12
+    if flops is not None and nbytes is not None and peak_tflops and bw_tbs:
+        row["floor_ms"] = floor(flops, nbytes, peak_tflops, bw_tbs)["floor_ms"]
+        row["x_floor"] = ms / row["floor_ms"]
     return row
 
 
@@ -455,12 +467,13 @@ _TABLE_COLS = (
     ("S", "S", "d", 5),
     ("S_kv", "S_kv", "d", 5),
     ("topk", "topk", "d", 5),
-    ("variant", "variant", "", 11),
+    ("variant", "variant", "", 11),  # "matmul_bf16" is the longest name
     ("ms", "ms", ".3f", 9),
     ("p20", "ms_p20", ".3f", 9),
     ("p80", "ms_p80", ".3f", 9),
     ("TFLOP/s", "tflops", ".1f", 8),
     ("%peak", "frac_peak", ".1%", 6),
+    ("xfloor", "x_floor", ".1f", 6),
     ("mem MB", "peak_mem_mb", ",.0f", 8),
     ("det/at", "det_over_atomic", ".2f", 6),
     ("rep", "repeatable", "", 3),
@@ -475,14 +488,15 @@ def format_table(rows: Sequence[dict], meta: Mapping[str, Any] | None = None,
         lines.append(
             f"GPU {meta.get('gpu')} | torch {meta.get('torch')} | tilelang {meta.get('tilelang')}"
             f" | {meta.get('timestamp')} | peak {_fmt(meta.get('peak_tflops'), '.0f')} TFLOP/s"
-            f" ({meta.get('peak_source', 'measured')})"
+            f" ({meta.get('peak_source', 'measured')}) | copy {_fmt(meta.get('copy_tbs'), '.2f')}"
+            " TB/s"
         )
     head = " ".join(h.rjust(w) if fmt else h.ljust(w) for h, _, fmt, w in _TABLE_COLS)
     lines.append(head)
     lines.append("-" * len(head))
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"{str(r.get('shape') or '-'):<6} {r['variant']:<11} {r['status']}")
+            lines.append(f"{str(r.get('shape') or '-'):<6} {r['variant']:<11} {r['status'][:100]}")
             continue
         cells = []
         for _, key, fmt, w in _TABLE_COLS:
@@ -500,13 +514,13 @@ def markdown_table(rows: Sequence[dict]) -> str:
     """The results as a markdown table (docs/performance.md "Results (H200)")."""
     out = [
         "| shape | B | S | S_kv | H | topk | variant | ms (p50) | p20-p80 | TFLOP/s | % of matmul peak "
-        "| peak mem MB | det/atomic | bitwise repeatable |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| x floor | peak mem MB | det/atomic | bitwise repeatable |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r.get("status") != "ok":
             out.append(f"| {r.get('shape') or '-'} | | | | | | {r['variant']} | {r['status']} "
-                       "| | | | | | |")
+                       "| | | | | | | |")
             continue
         spread = (f"{r['ms_p20']:.3f}-{r['ms_p80']:.3f}"
                   if r.get("ms_p20") is not None and r.get("ms_p80") is not None else "-")
@@ -515,7 +529,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
             f"| {_fmt(r.get('S_kv'), 'd')} | {_fmt(r.get('H'), 'd')} | {_fmt(r.get('topk'), 'd')} "
             f"| {r['variant']} | {_fmt(r.get('ms'), '.3f')} | {spread} "
             f"| {_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('frac_peak'), '.1%')} "
-            f"| {_fmt(r.get('peak_mem_mb'), ',.0f')} | {_fmt(r.get('det_over_atomic'), '.2f')} "
+            f"| {_fmt(r.get('x_floor'), '.1f')} | {_fmt(r.get('peak_mem_mb'), ',.0f')} | {_fmt(r.get('det_over_atomic'), '.2f')} "
             f"| {_fmt(r.get('repeatable'), '')} |"
         )
     return "\n".join(out)

@@ -102,7 +102,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Run: {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
         f"tilelang {meta.get('tilelang', '?')}, {meta.get('timestamp', '?')}, "
         f"commit {meta.get('git') or '?'}; peak {harness._fmt(meta.get('peak_tflops'), '.0f')} "
-        f"TFLOP/s ({meta.get('peak_source', 'dense matmul measured in the same run')}).",
+        f"TFLOP/s ({meta.get('peak_source', 'dense matmul measured in the same run')}), "
+        f"copy {harness._fmt(meta.get('copy_tbs'), '.2f')} TB/s "
+        f"({meta.get('copy_source', 'measured in the same run')}); x floor = median ms over "
+        "max(FLOPs / peak, min bytes / copy rate).",
         "",
         harness.markdown_table(rows),
     ]
