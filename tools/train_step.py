@@ -149,11 +149,14 @@ def train(args) -> int:
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
 
     on_gpu = _use_gpu(args.device)
-    paddle.set_device("gpu" if on_gpu else "cpu")
+    if not on_gpu:
+        paddle.set_device("cpu")
     world, rank = 1, 0
     if _IN_LAUNCHED_RANK and int(os.environ["PADDLE_TRAINERS_NUM"]) > 1:
-        dist.init_parallel_env()
+        dist.init_parallel_env()  # on GPU this also selects the rank's device
         world, rank = dist.get_world_size(), dist.get_rank()
+    elif on_gpu:
+        paddle.set_device("gpu")
     log = (lambda msg: tqdm.write(msg)) if rank == 0 else (lambda msg: None)
 
     overrides = {"tensor_parallel_degree": world}
