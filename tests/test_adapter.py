@@ -110,6 +110,22 @@ def test_numpy_round_trip(fw, rng):
         np.testing.assert_array_equal(ops.to_numpy(t), a)
 
 
+def test_numpy_edge_cases(fw, rng):
+    """bf16 comes back as exact float32 values (Paddle's own .numpy() would give raw uint16
+    bits); reversed and read-only numpy arrays are accepted."""
+    like = fw.t(np.ones(1, np.float32))
+    ops = ops_for(like)
+    x = fw.bf16([1.0, -2.5, 3.140625])
+    got = ops.to_numpy(x)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, [1.0, -2.5, 3.140625])
+    a = rng.standard_normal(6)
+    ro = a.copy()
+    ro.flags.writeable = False
+    np.testing.assert_array_equal(ops.to_numpy(ops.from_numpy(a[::-1], like)), a[::-1])
+    np.testing.assert_array_equal(ops.to_numpy(ops.from_numpy(ro, like)), a)
+
+
 def test_bf16_layout_ops(fw, rng):
     """Cast, concat, slice and reshape on bf16 work on CPU (Paddle's CPU build has no bf16 math,
     so the reference casts first; these are the ops it runs before casting)."""

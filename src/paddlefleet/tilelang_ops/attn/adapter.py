@@ -57,7 +57,8 @@ class TensorOps:
     def zeros(self, shape: Sequence[int], dtype: str, like): ...
     def full(self, shape: Sequence[int], value: float, dtype: str, like): ...
     def from_numpy(self, array, like): ...
-    def to_numpy(self, t): ...
+    def to_numpy(self, t):
+        """A host numpy copy; bfloat16 comes back as float32 (exact), since numpy has no bf16."""
 
     # --- layout ---------------------------------------------------------------------------
     def concat(self, ts: Sequence, axis: int): ...
@@ -136,6 +137,9 @@ class _PaddleOps(TensorOps):
         return out.to(like.place) if out.place != like.place else out
 
     def to_numpy(self, t):
+        # Paddle's .numpy() of a bf16 tensor is its raw bits as uint16: widen first (exact).
+        if self.dtype(t) == "bfloat16":
+            t = t.astype(self.p.float32)
         return t.numpy()
 
     def concat(self, ts, axis):
@@ -238,10 +242,16 @@ class _TorchOps(TensorOps):
         return self.t.full(tuple(shape), value, dtype=self._dt(dtype), device=like.device)
 
     def from_numpy(self, array, like):
-        return self.t.from_numpy(array).to(like.device)
+        # torch.from_numpy rejects negative strides and warns on read-only arrays.
+        import numpy as np
+
+        return self.t.from_numpy(np.array(array, copy=True, order="C")).to(like.device)
 
     def to_numpy(self, t):
-        return t.detach().cpu().numpy()
+        t = t.detach()
+        if t.dtype == self.t.bfloat16:  # numpy has no bf16 (torch raises): widen, exactly
+            t = t.float()
+        return t.cpu().numpy()
 
     def concat(self, ts, axis):
         return self.t.cat(list(ts), dim=axis)
