@@ -77,7 +77,7 @@ def plot_results(rows: list[dict], meta: dict, png: str) -> str:
     peak = meta.get("peak_tflops")
     if peak:
         ax_f.axhline(peak, color="k", ls="--", lw=1)
-        ax_f.text(len(shapes) - 0.5, peak, f"dense matmul {peak:.3g}", va="bottom", ha="right",
+        ax_f.text(-0.45, peak, f"dense matmul {peak:.3g} TFLOP/s", va="bottom", ha="left",
                   fontsize=8)
     ax_f.set_ylabel("TFLOP/s")
     ax_f.grid(axis="y", alpha=0.3)
