@@ -51,6 +51,10 @@ if os.path.join(_REPO, "src") not in sys.path:
     # so that `python tools/bench/bench_sparse_mqa.py` works without PYTHONPATH=src
     sys.path.append(os.path.join(_REPO, "src"))
 
+# the same kernel cache as tools/precompile.py and tools/run_gpu_suite.sh, so a run after them
+# finds every kernel compiled
+os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(_REPO, ".tilelang-cache"))
+
 import harness  # noqa: E402
 
 VARIANTS = ("fwd", "bwd_atomic", "bwd_det", "ref_fwd", "ref_bwd")

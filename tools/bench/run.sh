@@ -7,5 +7,7 @@ cd "$(dirname "$0")/../.."
 DEST=${OUT:+$OUT/bench}
 DEST=${DEST:-tools/bench/results}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang-cache}  # where precompile.py puts them
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 exec python3 tools/bench/bench_sparse_mqa.py --out "$DEST" ${BENCH_ARGS:-} "$@"
