@@ -18,6 +18,13 @@ _EXPORTS = {
     "causal_topk_indices": "indices",
     # Paddle autograd op, model config and tensor-parallel layer
     "sparse_mqa_attention": "op",
+    "MLAAttentionConfig": "config",
+    "get_preset": "config",
+    "load_config": "config",
+    "MQALatentAttention": "layer",
+    "init_full_weights": "layer",
+    "copy_to_tensor_parallel": "tp",
+    "reduce_from_tensor_parallel": "tp",
 }
 
 __all__ = sorted(_EXPORTS)
