@@ -2,8 +2,9 @@
 
 Import them from any test file (``pytest.ini`` puts ``tests/`` on ``sys.path``)::
 
-    from conftest import rel_l2, requires_cuda, cuda_available
+    from conftest import REPO_ROOT, rel_l2, requires_cuda, cuda_available
 
+* ``REPO_ROOT``: the checkout's root (a ``pathlib.Path``).
 * ``rel_l2(x, ref)``: relative L2 error ``||x - ref|| / ||ref||`` of two tensors or arrays (Paddle,
   PyTorch or numpy; compared in float64 on the host).  The guide's error measure.
 * ``requires_cuda``: a ``skipif`` marker for tests that need a CUDA device through PyTorch (the
