@@ -14,6 +14,11 @@ _EXPORTS = {
     # fp32/fp64 reference (any device)
     "sparse_mqa_fwd_ref": "reference",
     "sparse_mqa_bwd_ref": "reference",
+    "lse_natural_to_log2_sink": "reference",
+    "lse_log2_sink_to_natural": "reference",
+    # input validation shared by every public entry point
+    "validate_inputs": "checks",
+    "Dims": "checks",
     # top-k indices for tests and demos
     "causal_topk_indices": "indices",
     # Paddle autograd op, model config and tensor-parallel layer
