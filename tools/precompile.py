@@ -54,17 +54,10 @@ def _builder(name):
 
 
 def lower(name, args, pass_configs=None):
-    """Lower one specialisation for ``settings.TARGET``; returns TileLang's artifact
-    (``.kernel_source``, ``.device_mod``)."""
-    from paddlefleet.tilelang_ops import settings
+    """Lower one specialisation for ``settings.TARGET`` (no GPU needed)."""
+    from paddlefleet.tilelang_ops.attn.kernels import lower as lower_kernel
 
-    tl = settings.import_tilelang()
-    from tilelang import tvm
-
-    cfg = settings.PASS_CONFIGS if pass_configs is None else pass_configs
-    with tvm.transform.PassContext(opt_level=3, config=cfg), tvm.target.Target(settings.TARGET):
-        tir = _builder(name).get_tir(*args)
-        return tl.lower(tir, target=settings.TARGET)
+    return lower_kernel(_builder(name), args, pass_configs)
 
 
 def _build_one(name, args, lower_only):

@@ -55,29 +55,42 @@ class TileLangKernels:
 
     device = "cuda"
 
-    def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
-        from .kernels.sparse_fwd import sparse_fwd
+    def __init__(self):
+        # compiled kernels by static key: skips TileLang's argument binding on every call
+        self._kernels = {}
 
-        d_qk, d_v = q.shape[-1], out.shape[-1]
-        sparse_fwd(heads_per_cta, int(d_qk), int(d_v))(q, kv, indices, sink, scale, out, lse)
+    def _kernel(self, key):
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            from .kernels import sparse_bwd, sparse_fwd
+
+            name, args = key[0], key[1:]
+            if name == "fwd":
+                kernel = sparse_fwd.sparse_fwd(*args)
+            elif name == "pre":
+                kernel = sparse_bwd.preprocess(*args)
+            elif name == "main":
+                kernel = sparse_bwd.main(*args)
+            else:
+                kernel = sparse_bwd.postprocess(*args)
+            self._kernels[key] = kernel
+        return kernel
+
+    def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
+        key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
+        self._kernel(key)(q, kv, indices, sink, scale, out, lse)
 
     def bwd_preprocess(self, out2d, grad_out2d, delta):
-        from .kernels.sparse_bwd import preprocess
-
-        preprocess(int(out2d.shape[-1]))(out2d, grad_out2d, delta)
+        self._kernel(("pre", int(out2d.shape[-1])))(out2d, grad_out2d, delta)
 
     def bwd_main(self, heads_per_cta, deterministic, q, kv, grad_out, indices, lse2, delta,
                  scale, dq, dkv_acc):
-        from .kernels.sparse_bwd import main
-
-        kernel = main(heads_per_cta, int(q.shape[-1]), int(grad_out.shape[-1]),
-                      bool(deterministic), tiling.bwd_key_block(heads_per_cta))
-        kernel(q, kv, grad_out, indices, lse2, delta, scale, dq, dkv_acc)
+        key = ("main", heads_per_cta, int(q.shape[-1]), int(grad_out.shape[-1]),
+               bool(deterministic), tiling.bwd_key_block(heads_per_cta))
+        self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, dq, dkv_acc)
 
     def bwd_postprocess(self, dkv_acc, scale, dkv):
-        from .kernels.sparse_bwd import postprocess
-
-        postprocess(int(dkv_acc.shape[-1]))(dkv_acc, scale, dkv)
+        self._kernel(("post", int(dkv_acc.shape[-1])))(dkv_acc, scale, dkv)
 
 
 _DEFAULT_PROVIDER = TileLangKernels()
@@ -138,10 +151,13 @@ def _slice_heads(ops, t, h):
 
 
 def _absmax(ops, t):
-    """``max |t|`` as a 1-element fp64 tensor on ``t``'s device (no host sync)."""
+    """``max |t|`` as a 1-element fp64 tensor on ``t``'s device (no host sync).
+
+    The infinity norm reads ``t`` once (``abs().amax()`` would write and re-read a full copy:
+    0.8 ms instead of ~0.2 ms for q and dO at the reference shape)."""
     if ops.device_kind(t) == "cpu":  # Paddle's CPU build has no bf16 math
         t = ops.cast(t, "float32")
-    return ops.cast(ops.reshape(ops.amax(t.abs()), (1,)), "float64")
+    return ops.cast(ops.reshape(t.norm(p=float("inf")), (1,)), "float64")
 
 
 def fixed_point_scale(ops, query, kv, grad_out, delta, sm_scale, num_rows):

@@ -1,2 +1,28 @@
-"""TileLang kernels (no framework import): ``sparse_fwd`` (forward) and ``sparse_bwd``
-(preprocess -> main -> postprocess of the backward).  Host wrappers: ``attn/interface.py``."""
+"""TileLang kernels of sparse MQA-latent attention (no framework import; one variant per file):
+
+* ``sparse_fwd.sparse_fwd``: the forward (online softmax over top-k key blocks, sink folded in);
+* ``sparse_bwd.preprocess`` -> ``sparse_bwd.main`` -> ``sparse_bwd.postprocess``: the backward.
+
+Host wrappers: ``attn/interface.py``.  Every kernel compiles with ``settings.PASS_CONFIGS``.
+:func:`lower` lowers one specialisation for ``settings.TARGET`` without a GPU (tests, tools).
+"""
+
+
+def lower(jit_kernel, args, pass_configs=None, kwargs=None):
+    """Lower ``jit_kernel(*args, **kwargs)`` for ``settings.TARGET`` (sm_90a) on any machine.
+
+    ``pass_configs`` defaults to the kernel's own (``settings.PASS_CONFIGS``); tests pass
+    ``settings.pass_configs(...)`` overrides to show what a setting changes.
+
+    Returns:
+        TileLang's lowering artifact (``.kernel_source`` CUDA C++, ``.device_mod``).
+    """
+    from ... import settings
+
+    tilelang = settings.import_tilelang()
+    from tilelang import tvm
+
+    cfg = jit_kernel.pass_configs if pass_configs is None else pass_configs
+    with tvm.transform.PassContext(opt_level=3, config=cfg), tvm.target.Target(settings.TARGET):
+        tir = jit_kernel.get_tir(*args, **(kwargs or {}))
+        return tilelang.lower(tir, target=settings.TARGET)
