@@ -39,6 +39,17 @@ def test_torch_tensors(rng):
     idx[0, 0, 0] = S_KV
     with pytest.raises(ValueError, match="^token_indices: expected values"):
         validate_inputs(q, kv, idx, d_v=DV)
+    idx[0, 0, 0] = -1
+    bad_sink = sink.clone()
+    bad_sink[2] = float("nan")
+    with pytest.raises(ValueError, match=r"^attn_sink: .*got \[nan\] at heads \[2\]"):
+        validate_inputs(q, kv, idx, attn_sink=bad_sink, d_v=DV)
+    lse = torch.randn(B, S, H)
+    lse[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="^lse: expected no NaN.*got 1 NaN"):
+        validate_inputs(q, kv, idx, lse=lse, d_v=DV)
+    lse[1, 0, 3] = float("inf")
+    assert validate_inputs(q, kv, idx, lse=lse, d_v=DV).H == H
 
 
 # Everything below runs on Paddle (the CI framework) through the `good` fixture.
@@ -173,7 +184,7 @@ def test_shapes(good, rng, name, shape, pattern):
     dtype = str(good[name].dtype).rsplit(".", 1)[-1]
     bad = dict(good, **{name: T(np.zeros(shape, dtype=dtype))})
     with pytest.raises(ValueError, match=pattern):
-        call(bad, check_index_values=False)
+        call(bad, check_values=False)
 
 
 def test_d_v(good):
@@ -194,7 +205,61 @@ def test_index_values(good, value, got):
     bad = dict(good, token_indices=T(idx))
     with pytest.raises(ValueError, match=rf"^token_indices: expected values -1 \(empty slot\) or in \[0, S_kv=7\), got values in .*{got}"):
         call(bad)
+    assert call(bad, check_values=False).S_kv == S_KV
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sink_values(good, value):
+    """NaN and +inf sinks are rejected (a NaN used to be masked into a finite output, +inf gives
+    a NaN d_sink); -inf means "this head has no sink" and passes."""
+    sink = good["attn_sink"].numpy().copy()
+    sink[3] = value
+    bad = dict(good, attn_sink=T(sink))
+    with pytest.raises(
+        ValueError,
+        match=rf"^attn_sink: expected finite values or -inf .*NaN and \+inf are not allowed, "
+        rf"got \[{value}\] at heads \[3\]",
+    ):
+        call(bad)
+    assert call(bad, check_values=False).H == H  # the value read is what the flag skips
+    sink[3] = -np.inf
+    assert call(dict(good, attn_sink=T(sink))).H == H
+
+
+def test_lse_values(good):
+    """NaN in lse is rejected; +inf (FlashMLA's empty row) and -inf (ours) pass."""
+    lse = good["lse"].numpy().copy()
+    lse[0, 1, 2] = np.inf
+    lse[1, 2, 0] = -np.inf
+    assert call(dict(good, lse=T(lse))).H == H
+    lse[1, 0, 1] = lse[0, 2, 3] = np.nan
+    bad = dict(good, lse=T(lse))
+    with pytest.raises(ValueError, match=r"^lse: expected no NaN .*got 2 NaN value\(s\)"):
+        call(bad)
+    assert call(bad, check_values=False).H == H
+
+
+def test_index_check_old_keyword(good):
+    """``check_index_values`` (the former name) still switches the value checks until
+    interface.py moves to ``check_values``."""
+    idx = good["token_indices"].numpy().copy()
+    idx[0, 1, 1] = S_KV
+    bad = dict(good, token_indices=T(idx))
     assert call(bad, check_index_values=False).S_kv == S_KV
+    with pytest.raises(ValueError, match="^token_indices: expected values"):
+        call(bad, check_index_values=True, check_values=False)
+
+
+@pytest.mark.parametrize("name", ["out", "grad_out", "lse"])
+def test_required_tensors(good, name):
+    req = ("out", "grad_out", "lse")
+    assert call(good, required=req).Dv == DV
+    with pytest.raises(TypeError, match=rf"^{name}: expected a paddle.Tensor or torch.Tensor, got None"):
+        call(dict(good, **{name: None}), required=req)
+    # Not required: None means "not given".
+    assert call(dict(good, **{name: None})).Dv == DV
+    with pytest.raises(ValueError, match=r"^required: expected names among .*\['dq'\]"):
+        call(good, required=("dq",))
 
 
 def test_check_order(good):
@@ -234,8 +299,12 @@ def test_check_sm_scale():
     for bad in (True, "0.1", None, np.array([0.1])):
         with pytest.raises(TypeError, match="^sm_scale: expected a Python float"):
             check_sm_scale(bad)
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        with pytest.raises(ValueError, match="^sm_scale: expected a finite float"):
+    # Positive and finite, also after rounding to float32 (the kernels' scalar): 1e39
+    # overflows to inf, 1e-46 underflows to 0 there.
+    assert check_sm_scale(1e38) == 1e38 and check_sm_scale(1e-44) == 1e-44
+    for bad in (float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0, -1.0, -1e-3, 1e39,
+                1e-46, np.float64(1e300)):
+        with pytest.raises(ValueError, match=r"^sm_scale: expected a finite float > 0"):
             check_sm_scale(bad)
 
 

@@ -52,6 +52,13 @@ def test_small_preset_splits_over_eight_ranks():
         ("softmax_scale", -1.0),
         ("rope_theta", 0.0),
         ("rms_norm_eps", -1e-6),
+        ("softmax_scale", float("inf")),
+        ("softmax_scale", float("nan")),
+        ("softmax_scale", 1e39),  # inf in float32, the kernels' scalar
+        ("softmax_scale", 0),
+        ("rope_theta", float("inf")),
+        ("rms_norm_eps", float("nan")),
+        ("initializer_range", float("inf")),
         ("use_attn_sink", "yes"),
         ("backward_backend", "flash"),
         ("qk_rope_head_dim", 15),
@@ -103,3 +110,26 @@ def test_load_config_errors():
         load_config("deepseek_v99")
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("nope")
+
+
+def test_json_and_preset_paths_raise_the_same(tmp_path):
+    """Unknown overrides are the same ValueError for a preset and a JSON file (the file path
+    used to give a TypeError from __init__), and replace() agrees."""
+    path = tmp_path / "cfg.json"
+    get_preset("deepseek_v32_small").to_json_file(path)
+    for source in ("deepseek_v32_small", str(path)):
+        with pytest.raises(ValueError, match=r"unknown field\(s\) \['foo'\]"):
+            load_config(source, foo=1)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['foo'\]"):
+        get_preset("deepseek_v32_small").replace(foo=1)
+    assert load_config(str(path), softmax_scale=0.5).softmax_scale == 0.5
+
+
+def test_bad_json_file_named(tmp_path):
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"config file '.*broken\.json' is not valid JSON"):
+        load_config(str(bad))
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"broken\.json': expected a JSON object.*got a JSON list"):
+        MLAAttentionConfig.from_json_file(bad)

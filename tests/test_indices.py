@@ -89,6 +89,7 @@ def test_keys_are_uniform_and_order_is_random():
         (dict(seq_len_kv=True), TypeError, "^seq_len_kv: expected a positive Python int, got bool"),
         (dict(seq_len=9, seq_len_kv=8), ValueError, "^seq_len_kv: expected seq_len_kv >= seq_len=9"),
         (dict(seed=1.5), TypeError, "^seed: expected a Python int, got float"),
+        (dict(seed=-1), ValueError, "^seed: expected an int >= 0, got -1"),
         (dict(dtype="int16"), ValueError, "^dtype: expected 'int32' or 'int64', got 'int16'"),
         (dict(dtype=np.int32), TypeError, "^dtype: expected 'int32' or 'int64', got type"),
     ],

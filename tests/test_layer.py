@@ -143,6 +143,19 @@ def test_errors():
     idx = paddle.to_tensor(causal_topk_indices(1, 8, 8, 4))
     with pytest.raises(ValueError, match="hidden_states"):
         layer(paddle.randn([1, 8, cfg.hidden_size + 1]), idx)
+    x = paddle.randn([1, 8, cfg.hidden_size])
+    for dtype in ("float64", "float16", "bfloat16"):
+        with pytest.raises(
+            TypeError,
+            match=rf"^hidden_states: expected dtype float32 \(the layer's parameter dtype\), got {dtype}",
+        ):
+            layer(x.astype(dtype), idx)
+    with pytest.raises(ValueError, match=r"^hidden_states: expected B >= 1 and S >= 1.*\[1, 0, 256\]"):
+        layer(paddle.zeros([1, 0, cfg.hidden_size]), paddle.zeros([1, 0, 4], dtype="int32"))
+    with pytest.raises(ValueError, match=r"^token_indices: expected \[B, S, L\] with B=1 and S=8 \(from hidden_states\)"):
+        layer(x, idx[:, :7])
+    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor, got ndarray"):
+        layer(x, idx.numpy())
     full = init_full_weights(cfg)
     full["wo"] = full["wo"][:-1]
     with pytest.raises(ValueError, match="wo"):
@@ -196,8 +209,10 @@ def _train_step(*args, timeout=120):
 
 
 def test_train_step_runs_and_loss_falls():
-    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--seq-len", "128")
+    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--seq-len", "128",
+                      "--topk", "24")
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "inputs: B 1, S 128, top-k 24," in res.stdout, res.stdout
     losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
     assert "grad_norm" in res.stdout and "attn_sink" in res.stdout
@@ -207,6 +222,34 @@ def test_train_step_exits_nonzero_on_nan():
     res = _train_step("--steps", "3", "--seq-len", "64", "--inject-nan", "1")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "non-finite loss/gradient at step 1" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--seq-len", "0"), "argument --seq-len: expected an int >= 1, got 0"),
+        (("--topk", "0"), "argument --topk: expected an int >= 1, got 0"),
+        (("--seq-len", "-5"), "argument --seq-len: expected an int >= 1, got -5"),
+        (("--topk", "-1"), "argument --topk: expected an int >= 1, got -1"),
+        (("--batch", "-2"), "argument --batch: expected an int >= 1, got -2"),
+        (("--lr", "nan"), "argument --lr: expected a finite number > 0, got nan"),
+        (("--lr", "inf"), "argument --lr: expected a finite number > 0, got inf"),
+        (("--lr", "0"), "argument --lr: expected a finite number > 0, got 0.0"),
+        (("--lr=-1e-3",), "argument --lr: expected a finite number > 0, got -0.001"),
+    ],
+)
+def test_train_step_argument_errors(args, message):
+    """0 is an error, never silently "the default" (the script used `args.x or default`)."""
+    res = _train_step(*args, timeout=60)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_train_step_nproc_must_divide_heads():
+    """Checked once, before any rank is launched (the small preset has 16 heads)."""
+    res = _train_step("--nproc", "3", "--device", "cpu", timeout=60)
+    assert res.returncode != 0
+    assert "num_attention_heads must be divisible by tensor_parallel_degree" in res.stderr
+    assert "launching" not in res.stdout, res.stdout
 
 
 def test_train_step_config_errors(tmp_path):

@@ -139,6 +139,35 @@ def test_errors_raised_at_call(rng):
         sparse_mqa_attention(t(q), t(kv), t(bad), 0.1, t(sk), d_v=d_v)
     with pytest.raises(ValueError, match="sm_scale"):
         sparse_mqa_attention(t(q), t(kv), t(idx), float("nan"), t(sk), d_v=d_v)
+    # The CPU path used to accept these while the CUDA path rejected them: one rule for both.
+    for scale in (-1.0, 0.0, 1e39, 1e-46):
+        with pytest.raises(ValueError, match="^sm_scale: expected a finite float > 0"):
+            sparse_mqa_attention(t(q), t(kv), t(idx), scale, t(sk), d_v=d_v)
+    for value in (np.nan, np.inf):
+        bad_sink = sk.copy()
+        bad_sink[5] = value
+        with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf.*\[5\]"):
+            sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(bad_sink), d_v=d_v)
+
+
+def test_float64_inputs_computed_in_float64(rng):
+    """fp64 inputs get the fp64 reference (fp32 compute would leave ~1e-7 errors)."""
+    q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)
+    q, kv, grad = q.astype(np.float64), kv.astype(np.float64), grad.astype(np.float64)
+    scale = 80**-0.5 * 2.0
+    out, tq, tkv, tsk = _run_op(q, kv, idx, sk, grad, d_v, scale)
+    assert out.dtype == paddle.float64 and tq.grad.dtype == paddle.float64
+
+    rq = paddle.to_tensor(q, stop_gradient=False)
+    rkv = paddle.to_tensor(kv, stop_gradient=False)
+    rsk = paddle.to_tensor(sk.astype(np.float64), stop_gradient=False)
+    ref = _dense(rq, rkv, idx, scale, rsk, d_v)
+    (ref * paddle.to_tensor(grad)).sum().backward()
+    assert rel_l2(out, ref) < 1e-12
+    assert rel_l2(tq.grad, rq.grad) < 1e-12
+    assert rel_l2(tkv.grad, rkv.grad) < 1e-12
+    # d_sink is computed in fp64 too, then rounded to the sink's fp32.
+    assert tsk.grad.dtype == paddle.float32 and rel_l2(tsk.grad, rsk.grad) < 1e-6
 
 
 def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):

@@ -485,3 +485,69 @@ def test_lse_bridge_bad_input(fw, rng):
         lse_natural_to_log2_sink(fw.t(lse), fw.t(sink[:-1]))
     with pytest.raises(TypeError, match="attn_sink: expected dtype"):
         lse_natural_to_log2_sink(fw.t(lse), fw.t(sink.astype(np.int32)))
+
+
+def test_lse_bridge_names_a_non_tensor_sink(fw, rng):
+    lse, sink = _lse_case(rng)
+    with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got ndarray"):
+        lse_natural_to_log2_sink(fw.t(lse), sink)
+    with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got list"):
+        lse_log2_sink_to_natural(fw.t(lse), list(sink))
+
+
+def test_lse_bridge_keeps_nan_sink_nan(fw, rng):
+    """A NaN sink must not pass for a -inf one ("no sink"): the inverse bridge used to return
+    the plain change of base there, a plausible finite lse."""
+    lse, sink = _lse_case(rng)
+    sink[2] = np.nan
+    back = fw.np(lse_log2_sink_to_natural(fw.t(lse / math.log(2.0)), fw.t(sink)))
+    assert np.isnan(back[..., 2]).all()
+    others = np.delete(back, 2, axis=-1)
+    assert not np.isnan(others).any()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_sink_rejected(fw, rng, value):
+    c = make_case(rng, 1, 3, True)
+    c["sink"][1] = value
+    args = (fw.t(c["q"]), fw.t(c["kv"]))
+    with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf.*heads \[1\]"):
+        sparse_mqa_fwd_ref(*args, fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV)
+    with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf"):
+        sparse_mqa_bwd_ref(*args, fw.t(c["grad_out"]), fw.t(c["idx"]), c["scale"],
+                           fw.t(c["sink"]), d_v=DV)
+
+
+def test_probabilities_do_not_mask_nan(paddle_fw, rng):
+    """The -inf guards of the probabilities test "== -inf", so a NaN (which validation keeps
+    out of the public functions) stays NaN instead of becoming a finite 0 shift."""
+    from paddlefleet.tilelang_ops.attn.adapter import ops_for
+
+    fw = paddle_fw
+    c = make_case(rng, 1, 3, True)
+    sink = c["sink"].copy()
+    sink[1] = np.nan
+    q, kv, idx = fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"])
+    dims = Dims(B=1, S=S, H=3, Dk=DK, Dv=DV, S_kv=S_KV, L=L)
+    _, _, P, lse, lse_safe = ref_mod._chunk_probs(ops_for(q), q, kv, idx, fw.t(sink), 0.2, dims)
+    P, lse_safe = fw.np(P), fw.np(lse_safe)
+    assert np.isnan(lse_safe[:, :, 1]).all()
+    assert np.isnan(P[:, :, 1].sum(-1)).all()
+    assert not np.isnan(np.delete(P, 1, axis=2)).any()
+    # The all-masked row (idx row 2) of a finite head still gets an exact 0 shift.
+    np.testing.assert_array_equal(P[0, 2, 0], 0.0)
+
+
+def test_backward_requires_grad_out(fw, rng):
+    c = make_case(rng, 1, 3, True)
+    with pytest.raises(TypeError, match="^grad_out: expected a paddle.Tensor or torch.Tensor, got None"):
+        sparse_mqa_bwd_ref(fw.t(c["q"]), fw.t(c["kv"]), None, fw.t(c["idx"]), c["scale"],
+                           fw.t(c["sink"]), d_v=DV)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1e39, 1e-46, float("nan")])
+def test_sm_scale_rejected(fw, rng, scale):
+    """Not finite and > 0 in float32: rejected by the reference as by the kernels."""
+    c = make_case(rng, 1, 2, False)
+    with pytest.raises(ValueError, match="^sm_scale: expected a finite float > 0"):
+        sparse_mqa_fwd_ref(fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), scale, d_v=DV)

@@ -42,6 +42,39 @@ if SRC not in sys.path:  # run from a checkout without installing
 _IN_LAUNCHED_RANK = "PADDLE_TRAINER_ID" in os.environ and "PADDLE_TRAINERS_NUM" in os.environ
 
 
+def _positive_int(text: str) -> int:
+    """argparse ``type=``: an int >= 1 (0 is an error, never "use the default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse ``type=``: an int >= 0 (numpy seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse ``type=``: a finite float > 0 (rejects nan, inf, 0 and negatives)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value
+
+
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,26 +83,24 @@ def _parse(argv=None):
                         "default: deepseek_v32 on GPU, deepseek_v32_small on CPU")
     p.add_argument("--backward-backend", choices=("tilelang", "reference"), default=None,
                    help="override the config's backward_backend")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=None, help="default: 4096 on GPU, 512 on CPU")
-    p.add_argument("--topk", type=int, default=None, help="default: min(index_topk, seq_len)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="default: 4096 on GPU, 512 on CPU")
+    p.add_argument("--topk", type=_positive_int, default=None,
+                   help="default: min(index_topk, seq_len)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3)
+    p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--nproc", type=_positive_int, default=1,
                    help="tensor-parallel ranks; >1 re-launches this script with "
                         "paddle.distributed.launch")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds before a multi-rank run is killed (a broken rendezvous hangs)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
                    help="put a NaN into the input at this step (tests the non-finite exit)")
-    args = p.parse_args(argv)
-    for name in ("steps", "batch", "nproc"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    return args
+    return p.parse_args(argv)
 
 
 def _free_port() -> int:
@@ -138,13 +169,33 @@ def _grad_norms(layer, group) -> dict:
     return norms
 
 
+def _load_config(args, on_gpu: bool, world: int):
+    """``(name, config)`` for ``world`` tensor-parallel ranks; a bad config (heads not divisible
+    by ``world`` included) exits with a message naming ``--config``."""
+    from paddlefleet.tilelang_ops.attn.config import load_config
+
+    overrides = {"tensor_parallel_degree": world}
+    if args.backward_backend is not None:
+        overrides["backward_backend"] = args.backward_backend
+    name = args.config or ("deepseek_v32" if on_gpu else "deepseek_v32_small")
+    try:
+        cfg = load_config(name, **overrides)
+    except (ValueError, TypeError, OSError) as e:
+        raise SystemExit(f"error: --config {name} with --nproc {world}: {e}") from None
+    if cfg.backward_backend == "tilelang" and not on_gpu:
+        raise SystemExit(
+            f"error: config {name!r} asks for backward_backend='tilelang', which needs a CUDA "
+            "GPU; pass --backward-backend reference to run on CPU"
+        )
+    return name, cfg
+
+
 def train(args) -> int:
     import numpy as np
     import paddle
     import paddle.distributed as dist
     from tqdm import tqdm
 
-    from paddlefleet.tilelang_ops.attn.config import load_config
     from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
 
@@ -159,21 +210,10 @@ def train(args) -> int:
         paddle.set_device("gpu")
     log = (lambda msg: tqdm.write(msg)) if rank == 0 else (lambda msg: None)
 
-    overrides = {"tensor_parallel_degree": world}
-    if args.backward_backend is not None:
-        overrides["backward_backend"] = args.backward_backend
-    name = args.config or ("deepseek_v32" if on_gpu else "deepseek_v32_small")
-    try:
-        cfg = load_config(name, **overrides)
-    except (ValueError, TypeError, OSError) as e:
-        raise SystemExit(f"error: --config {name}: {e}") from None
-    if cfg.backward_backend == "tilelang" and not on_gpu:
-        raise SystemExit(
-            f"error: config {name!r} asks for backward_backend='tilelang', which needs a CUDA "
-            "GPU; pass --backward-backend reference to run on CPU"
-        )
-    S = args.seq_len or (4096 if on_gpu else 512)
-    L = args.topk or min(cfg.index_topk, S)
+    name, cfg = _load_config(args, on_gpu, world)
+    # None means "not given"; 0 never reaches here (argparse rejects it).
+    S = args.seq_len if args.seq_len is not None else (4096 if on_gpu else 512)
+    L = args.topk if args.topk is not None else min(cfg.index_topk, S)
     B = args.batch
 
     layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
@@ -225,6 +265,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
     if args.nproc > 1 and not _IN_LAUNCHED_RANK:
+        # Fail here, in one process, when the heads do not split over --nproc ranks (or the
+        # config is bad otherwise), instead of in every launched rank.
+        _load_config(args, _use_gpu(args.device), args.nproc)
         return _relaunch(args, argv)
     return train(args)
 

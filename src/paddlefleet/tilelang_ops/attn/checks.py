@@ -13,8 +13,16 @@ is always the most basic one:
 5. shapes agree (``ValueError``, the named dims and their values in the message);
 6. ``1 <= d_v <= Dk`` (``ValueError``; ``TypeError`` when ``d_v`` is not an int), then the
    shapes of ``out``/``grad_out``, whose last dim is ``d_v``;
-7. index values in ``[-1, S_kv)`` (``ValueError``; one ``amin``/``amax`` each, skipped when
-   ``check_index_values=False`` because it synchronises a GPU stream).
+7. values (``ValueError``; skipped when ``check_values=False``, because reading results back
+   synchronises a GPU stream): indices in ``[-1, S_kv)`` (one ``amin``/``amax``); ``attn_sink``
+   finite or ``-inf`` (``-inf`` = that head has no sink; NaN and ``+inf`` are rejected: a NaN
+   sink would otherwise be masked into a plausible finite output and ``+inf`` gives a NaN
+   ``d_sink``); ``lse`` not NaN (``+inf``, FlashMLA's marker of a row with no key, and ``-inf``
+   are allowed).
+
+``None`` for an optional tensor means "not given"; ``required`` names the optional tensors a
+caller needs (the backward needs ``out``, ``grad_out`` and ``lse``), and a missing one is a
+``TypeError`` naming it.
 
 Every message names the argument, what was expected and what was got.  The layout of the checks
 follows the usual entry-point style of attention kernels (ndim, device, dtype, shape).
@@ -27,11 +35,14 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
+
 from .adapter import framework_of, ops_for
 
 __all__ = ["Dims", "validate_inputs", "check_sm_scale", "check_compute_dtype"]
 
 _INDEX_DTYPES = ("int32", "int64")
+_OPTIONAL = ("attn_sink", "out", "grad_out", "lse")
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
@@ -68,8 +79,10 @@ def validate_inputs(
     lse: Any = None,
     float_dtypes: Iterable[str] | None = None,
     device: str | None = None,
-    check_index_values: bool = True,
+    check_values: bool = True,
     aux_float_dtypes: Iterable[str] = ("float32",),
+    required: Iterable[str] = (),
+    check_index_values: bool | None = None,
 ) -> Dims:
     """Check a sparse MQA-latent attention call and return its sizes.
 
@@ -85,19 +98,32 @@ def validate_inputs(
         float_dtypes: allowed dtypes of ``query``, ``kv``, ``out`` and ``grad_out`` (canonical
             names such as ``"bfloat16"``); ``None`` allows any float dtype.
         device: required device kind of every tensor (``"cuda"``, ``"cpu"``), or ``None``.
-        check_index_values: check the range of ``token_indices`` (reads two scalars back).
+        check_values: check the values of ``token_indices`` (range), ``attn_sink`` (no NaN or
+            ``+inf``) and ``lse`` (no NaN); reads a few scalars back (a GPU stream sync).
         aux_float_dtypes: allowed dtypes of ``attn_sink`` and ``lse``; float32 unless a caller
             (the fp64 reference) widens it.
+        required: names among ``"attn_sink"``, ``"out"``, ``"grad_out"``, ``"lse"`` that must
+            not be ``None`` (``query``, ``kv`` and ``token_indices`` always must).
+        check_index_values: former name of ``check_values``, accepted until ``interface.py``
+            switches over; ``None`` (default) defers to ``check_values``.
 
     Returns:
         :class:`Dims`.
 
     Raises:
         TypeError: a tensor argument is not a Paddle/PyTorch tensor, the tensors mix
-            frameworks, a dtype is not allowed, or ``d_v`` is not an int.
-        ValueError: wrong ndim, device, shape, ``d_v`` out of range, or an index outside
-            ``[-1, S_kv)``.
+            frameworks, a required tensor is ``None``, a dtype is not allowed, or ``d_v`` is
+            not an int.
+        ValueError: wrong ndim, device, shape, ``d_v`` out of range, an index outside
+            ``[-1, S_kv)``, a NaN or ``+inf`` in ``attn_sink``, a NaN in ``lse``, or an unknown
+            name in ``required``.
     """
+    if check_index_values is not None:
+        check_values = check_index_values
+    required = tuple(required)
+    unknown = [r for r in required if r not in _OPTIONAL]
+    if unknown:
+        raise ValueError(f"required: expected names among {list(_OPTIONAL)}, got {unknown}")
     named = {
         "query": query,
         "kv": kv,
@@ -107,7 +133,7 @@ def validate_inputs(
         "grad_out": grad_out,
         "lse": lse,
     }
-    required = ("query", "kv", "token_indices")
+    required = ("query", "kv", "token_indices") + required
     present = {}
     # 1. type and framework
     for name, t in named.items():
@@ -224,8 +250,8 @@ def validate_inputs(
                 f"{_fmt(shapes[name])}"
             )
 
-    # 7. index values
-    if check_index_values:
+    # 7. values
+    if check_values:
         lo = int(ops.to_numpy(ops.amin(token_indices)))
         hi = int(ops.to_numpy(ops.amax(token_indices)))
         if lo < -1 or hi >= S_kv:
@@ -233,21 +259,49 @@ def validate_inputs(
                 f"token_indices: expected values -1 (empty slot) or in [0, S_kv={S_kv}), "
                 f"got values in [{lo}, {hi}]"
             )
+        if attn_sink is not None:
+            # [H] only: read it back whole to name the bad heads.
+            sink = np.asarray(ops.to_numpy(attn_sink), dtype=np.float64)
+            bad = np.flatnonzero(~(sink < math.inf))  # NaN and +inf; -inf passes
+            if bad.size:
+                raise ValueError(
+                    "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
+                    f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
+                    f"{bad.tolist()}"
+                )
+        if lse is not None:
+            # NaN is the only value that is not equal to itself; +-inf rows stay allowed.
+            n_nan = int(ops.to_numpy(ops.sum(ops.cast(lse != lse, "int32"))))
+            if n_nan:
+                raise ValueError(
+                    f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
+                    f"got {n_nan} NaN value(s)"
+                )
     return Dims(B=B, S=S, H=H, Dk=Dk, Dv=d_v, S_kv=S_kv, L=L)
 
 
 def check_sm_scale(sm_scale: Any) -> float:
-    """``sm_scale`` as a finite Python float.
+    """``sm_scale`` as a Python float that is finite and ``> 0``, also once rounded to float32.
+
+    The kernels take the scale as a float32 scalar and keep running maxima of the unscaled
+    ``q.k`` (so a non-positive scale would flip them); a value that overflows to ``inf`` or
+    underflows to 0 in float32 (``1e39``, ``1e-46``) would silently change the math, so it is
+    rejected on every path (reference, op, kernels) alike.
 
     Raises:
         TypeError: not a real number (bool and tensors included).
-        ValueError: NaN or infinite.
+        ValueError: NaN, infinite, ``<= 0``, or not finite and ``> 0`` in float32.
     """
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale: expected a Python float, got {type(sm_scale).__name__}")
     value = float(sm_scale)
-    if not math.isfinite(value):
-        raise ValueError(f"sm_scale: expected a finite float, got {value}")
+    with np.errstate(over="ignore", under="ignore"):
+        as_fp32 = float(np.float32(value))
+    if not (math.isfinite(value) and value > 0.0 and math.isfinite(as_fp32) and as_fp32 > 0.0):
+        raise ValueError(
+            "sm_scale: expected a finite float > 0 (also finite and > 0 in float32), got "
+            f"{value!r} (float32: {as_fp32!r})"
+        )
     return value
 
 

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
+
+from .checks import check_sm_scale
 
 __all__ = ["MLAAttentionConfig", "BACKWARD_BACKENDS", "PRESETS", "get_preset", "load_config"]
 
@@ -105,20 +108,26 @@ class MLAAttentionConfig:
                 f"MLAAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} or None, "
                 f"got {self.backward_backend!r}"
             )
-        if self.softmax_scale is not None and not (
-            isinstance(self.softmax_scale, (int, float))
-            and not isinstance(self.softmax_scale, bool)
-            and self.softmax_scale > 0
-        ):
-            raise ValueError(
-                f"MLAAttentionConfig.softmax_scale must be a positive number or None, got "
-                f"{self.softmax_scale!r}"
-            )
+        if self.softmax_scale is not None:
+            # The op's own rule (finite and > 0, also in float32), checked here already so
+            # that a bad config fails when it is built, not at the first forward.
+            try:
+                check_sm_scale(self.softmax_scale)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    "MLAAttentionConfig.softmax_scale must be None or a finite number > 0 (also "
+                    f"finite and > 0 in float32), got {self.softmax_scale!r}"
+                ) from None
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise ValueError(
-                    f"MLAAttentionConfig.{name} must be a positive number, got {value!r}"
+                    f"MLAAttentionConfig.{name} must be a finite positive number, got {value!r}"
                 )
         if not isinstance(self.use_attn_sink, bool):
             raise ValueError(
@@ -173,10 +182,15 @@ class MLAAttentionConfig:
         return cls(**dict(data))
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> "MLAAttentionConfig":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return cls.from_dict(data)
+    def from_json_file(cls, path: str | os.PathLike, **overrides) -> "MLAAttentionConfig":
+        """Build from a JSON object file, fields overridable.
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: the file is not valid JSON or not a JSON object (the message names the
+                file), or a field is unknown, missing or invalid.
+        """
+        return cls.from_dict({**_read_json_object(path), **overrides})
 
     def to_json_file(self, path: str | os.PathLike) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -184,8 +198,25 @@ class MLAAttentionConfig:
             f.write("\n")
 
     def replace(self, **changes) -> "MLAAttentionConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (validated again; an unknown field is a
+        ``ValueError`` naming it, as in :meth:`from_dict`)."""
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
+def _read_json_object(path: str | os.PathLike) -> dict:
+    """The JSON object in ``path``; malformed JSON or another JSON type is a ``ValueError``
+    naming the file."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config file {os.fspath(path)!r}: expected a JSON object of config fields, got a "
+            f"JSON {type(data).__name__}"
+        )
+    return data
 
 
 #: Published attention sizes of DeepSeek-V3.2-Exp (its ``config.json``: hidden 7168, 128 heads,
@@ -229,13 +260,19 @@ def get_preset(name: str, **overrides) -> MLAAttentionConfig:
 
 
 def load_config(name_or_path: str | os.PathLike, **overrides) -> MLAAttentionConfig:
-    """A preset name or a path to a JSON file (e.g. ``configs/deepseek_v32.json``)."""
+    """A preset name or a path to a JSON file (e.g. ``configs/deepseek_v32.json``), fields
+    overridable.
+
+    Raises:
+        ValueError: neither a preset nor a file; malformed JSON (naming the file); an unknown,
+            missing or invalid field (overrides included; the same error for both sources).
+        OSError: the file cannot be read.
+    """
     s = os.fspath(name_or_path)
     if s in PRESETS:
         return get_preset(s, **overrides)
     if os.path.isfile(s):
-        cfg = MLAAttentionConfig.from_json_file(s)
-        return cfg.replace(**overrides) if overrides else cfg
+        return MLAAttentionConfig.from_json_file(s, **overrides)
     raise ValueError(
         f"config {s!r} is neither a preset ({sorted(PRESETS)}) nor an existing JSON file"
     )

@@ -47,7 +47,7 @@ def causal_topk_indices(
         seq_len: query rows ``S >= 1``.
         seq_len_kv: key rows ``S_kv >= S``.
         topk: slots per row ``L >= 1`` (may exceed ``S_kv``; the surplus is ``-1``).
-        seed: seed of ``numpy.random.default_rng``.
+        seed: seed of ``numpy.random.default_rng``, ``>= 0``.
         dtype: ``"int32"`` or ``"int64"``.
 
     Returns:
@@ -55,8 +55,8 @@ def causal_topk_indices(
 
     Raises:
         TypeError: a size or ``seed`` is not an int, or ``dtype`` is not a string.
-        ValueError: a size is not positive, ``seq_len_kv < seq_len``, or ``dtype`` is not
-            int32/int64.
+        ValueError: a size is not positive, ``seed`` is negative, ``seq_len_kv < seq_len``, or
+            ``dtype`` is not int32/int64.
     """
     B = _positive_int(batch, "batch")
     S = _positive_int(seq_len, "seq_len")
@@ -69,6 +69,8 @@ def causal_topk_indices(
         )
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
+    if seed < 0:  # numpy's seeding takes non-negative ints only
+        raise ValueError(f"seed: expected an int >= 0, got {seed}")
     if not isinstance(dtype, str):
         raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
     if dtype not in ("int32", "int64"):

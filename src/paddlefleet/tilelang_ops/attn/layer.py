@@ -157,13 +157,18 @@ class MQALatentAttention(paddle.nn.Layer):
             degree the same model.
 
     Forward:
-        hidden_states: ``[B, S, hidden_size]`` float (fp32 on CPU).
+        hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
+            dtype when the layer was built, fp32 normally).
         token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
             (``L`` is usually ``config.index_topk``; causality is carried by the indices).
         Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
 
     Raises:
         ValueError: ``config.tensor_parallel_degree`` differs from the group size.
+        TypeError (forward): ``hidden_states`` not a paddle.Tensor in the parameters' dtype
+            (fp32 by default), or ``token_indices`` not a paddle.Tensor.
+        ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
+            or ``token_indices`` not ``[B, S, L]``; index values as in the op.
     """
 
     def __init__(self, config: MLAAttentionConfig, group=None, seed: int = 0):
@@ -216,13 +221,40 @@ class MQALatentAttention(paddle.nn.Layer):
                 )
             param.set_value(np.asarray(value, dtype=np.float32).astype(param.numpy().dtype))
 
-    def forward(self, hidden_states: paddle.Tensor, token_indices: paddle.Tensor) -> paddle.Tensor:
+    def _check_forward_inputs(self, hidden_states, token_indices) -> None:
+        """Errors named after the layer's own arguments, before any projection runs."""
         c = self.config
+        for name, t in (("hidden_states", hidden_states), ("token_indices", token_indices)):
+            if not isinstance(t, paddle.Tensor):
+                raise TypeError(f"{name}: expected a paddle.Tensor, got {type(t).__name__}")
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(
                 f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got shape "
                 f"{list(hidden_states.shape)}"
             )
+        # The projections are matmuls with the parameters: their dtype is the only one that
+        # works (Paddle fails deep inside matmul otherwise).
+        want = self.wq_a.dtype
+        if hidden_states.dtype != want:
+            raise TypeError(
+                f"hidden_states: expected dtype {str(want).replace('paddle.', '')} (the layer's "
+                f"parameter dtype), got {str(hidden_states.dtype).replace('paddle.', '')}"
+            )
+        B, S, _ = hidden_states.shape
+        if B < 1 or S < 1:
+            raise ValueError(
+                f"hidden_states: expected B >= 1 and S >= 1 in [B, S, hidden_size], got shape "
+                f"{list(hidden_states.shape)}"
+            )
+        if token_indices.ndim != 3 or list(token_indices.shape[:2]) != [B, S]:
+            raise ValueError(
+                f"token_indices: expected [B, S, L] with B={B} and S={S} (from hidden_states), "
+                f"got shape {list(token_indices.shape)}"
+            )
+
+    def forward(self, hidden_states: paddle.Tensor, token_indices: paddle.Tensor) -> paddle.Tensor:
+        c = self.config
+        self._check_forward_inputs(hidden_states, token_indices)
         B, S, _ = hidden_states.shape
         h, nope, rope = self.num_local_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         positions = np.arange(S)

@@ -4,8 +4,9 @@ Reads top to bottom: backend choice -> plain forward/backward dispatch functions
 :class:`SparseMQAAttentionFunction` (a ``paddle.autograd.PyLayer`` that only does ``ctx``
 bookkeeping) -> the public :func:`sparse_mqa_attention`.
 
-Forward: the TileLang kernel (``interface.mqa_latent_sparse_fwd``) for CUDA tensors, the fp32
-reference (``reference.sparse_mqa_fwd_ref``) for CPU tensors.  Backward: chosen by
+Forward: the TileLang kernel (``interface.mqa_latent_sparse_fwd``) for CUDA tensors, the
+reference (``reference.sparse_mqa_fwd_ref``) for CPU tensors, computed in fp64 for fp64 inputs
+and in fp32 otherwise.  Backward: chosen by
 ``backward_backend``; the top-k indices, ``out`` and the natural-log, sink-exclusive ``lse``
 are saved by the forward and reused, never recomputed.  The math is docs/conventions.md; the
 exact definition is ``attn/reference.py``.
@@ -50,8 +51,14 @@ def resolve_backward_backend(backward_backend: str | None, device_kind: str) -> 
 
 
 # --- plain forward / backward ----------------------------------------------------------------
+def _ref_dtype(query) -> str:
+    """The reference's compute dtype: fp64 for fp64 inputs (no silent narrowing), else fp32."""
+    return "float64" if ops_for(query).dtype(query) == "float64" else "float32"
+
+
 def _forward(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind):
-    """-> ``(out [B,S,H,Dv] in query's dtype, lse [B,S,H] fp32 natural, sink-exclusive)``."""
+    """-> ``(out [B,S,H,Dv] in query's dtype, lse [B,S,H] natural, sink-exclusive)``; ``lse``
+    is fp32 (fp64 for fp64 inputs on CPU)."""
     if device_kind == "cuda":
         from .interface import mqa_latent_sparse_fwd
 
@@ -60,10 +67,11 @@ def _forward(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind):
         from .reference import sparse_mqa_fwd_ref
 
         out, lse = sparse_mqa_fwd_ref(
-            query, kv, token_indices, sm_scale, attn_sink, d_v=d_v, dtype="float32"
+            query, kv, token_indices, sm_scale, attn_sink, d_v=d_v, dtype=_ref_dtype(query)
         )
     ops = ops_for(query)
-    return ops.cast(out, ops.dtype(query)), ops.cast(lse, "float32")
+    lse_dtype = "float64" if ops.dtype(lse) == "float64" else "float32"
+    return ops.cast(out, ops.dtype(query)), ops.cast(lse, lse_dtype)
 
 
 def _backward(backend, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale, d_v):
@@ -84,7 +92,8 @@ def _backward(backend, query, kv, out, grad_out, lse, attn_sink, token_indices, 
         # The reference recomputes P from (query, kv, token_indices); the saved indices are
         # what it gets, so the top-k selection is still never recomputed.
         dq, dkv, d_sink = sparse_mqa_bwd_ref(
-            query, kv, grad_out, token_indices, sm_scale, attn_sink, d_v=d_v, dtype="float32"
+            query, kv, grad_out, token_indices, sm_scale, attn_sink, d_v=d_v,
+            dtype=_ref_dtype(query),
         )
     return ops.cast(dq, ops.dtype(query)), ops.cast(dkv, ops.dtype(kv)), d_sink
 
@@ -146,24 +155,28 @@ def sparse_mqa_attention(
     Args:
         query: ``[B, S, H, Dk]``; bf16 on CUDA (the kernel's dtype).  On CPU fp32 is the
             normal choice (Paddle's CPU build has no bf16 math); bf16 also works there because
-            the reference computes in fp32 and only the results are rounded back.
+            the reference computes in fp32 and only the results are rounded back.  fp64 inputs
+            are computed in fp64.
             ``Dk = kv_lora_rank + qk_rope_head_dim`` (576).
         kv: ``[B, S_kv, Dk]``, same dtype as ``query``: the shared latent; the value is
             ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64 top-k key rows, ``-1`` = empty slot.  Causality
             is carried by the indices (the op applies no mask).
-        sm_scale: multiplies ``q.k`` (not the sink), e.g. ``(qk_nope + qk_rope) ** -0.5``.
-        attn_sink: ``[H]`` fp32 per-head sink logits, or ``None``.
-        backward_backend: ``"tilelang"`` (CUDA kernels), ``"reference"`` (fp32 reference, any
-            device) or ``None`` (``"tilelang"`` on CUDA, ``"reference"`` on CPU).
+        sm_scale: multiplies ``q.k`` (not the sink), e.g. ``(qk_nope + qk_rope) ** -0.5``;
+            finite and ``> 0`` (also in float32) on every device.
+        attn_sink: ``[H]`` fp32 per-head sink logits, or ``None``; finite or ``-inf`` (that
+            head has no sink), never NaN or ``+inf``.
+        backward_backend: ``"tilelang"`` (CUDA kernels), ``"reference"`` (reference in fp32,
+            fp64 for fp64 inputs; any device) or ``None`` (``"tilelang"`` on CUDA, ``"reference"`` on CPU).
         d_v: value width ``Dv`` (keyword only; 512 = DeepSeek-V3.2's ``kv_lora_rank``).
 
     Returns:
         ``out``: ``[B, S, H, Dv]`` in ``query``'s dtype.
 
     Raises:
-        TypeError / ValueError: bad tensors (``checks.validate_inputs``), a non-finite
-            ``sm_scale``, an unknown ``backward_backend``, or ``"tilelang"`` on CPU tensors.
+        TypeError / ValueError: bad tensors (``checks.validate_inputs``; on CUDA the value
+            checks run in ``interface.mqa_latent_sparse_fwd``), ``sm_scale`` not finite and
+            ``> 0``, an unknown ``backward_backend``, or ``"tilelang"`` on CPU tensors.
 
     Gradients: ``dq`` in ``query``'s dtype, ``dkv`` in ``kv``'s dtype, ``d_sink`` fp32 (zero
     contribution from rows whose weight is all on the sink); see docs/conventions.md.
@@ -177,7 +190,7 @@ def sparse_mqa_attention(
     # Reading the index range back syncs the GPU stream; the CUDA wrapper does its own checks.
     validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
-        check_index_values=device_kind != "cuda",
+        check_values=device_kind != "cuda",
     )
     return SparseMQAAttentionFunction.apply(
         query, kv, token_indices, attn_sink, sm_scale, d_v, backend, device_kind

@@ -76,20 +76,24 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     scores = ops.where(valid4, scores, neg_inf)
     zero = ops.zeros((1,), dt, q_c)
     m = ops.amax(scores, axis=-1, keepdim=True)
-    m = ops.where(m > _NEG_INF, m, zero)  # all-masked row: shift by 0, exp(-inf) = 0
+    # All-masked row: shift by 0, exp(-inf) = 0.  The test is "== -inf", not "> -inf", so that
+    # a NaN is never replaced by a plausible 0 (validation rejects NaN before this point).
+    m = ops.where(m == _NEG_INF, zero, m)
     lse = ops.log(ops.sum(ops.exp(scores - m), axis=-1)) + ops.reshape(m, (B, c, dims.H))
     lse_total = lse if sink_c is None else ops.logaddexp(lse, sink_c)
     # lse_total = -inf only for a row with no key and no sink: every P is 0 there, and
     # exp(s - lse_total) would be exp(-inf + inf) = NaN, so subtract a finite 0 instead.
-    lse_safe = ops.where(lse_total > _NEG_INF, lse_total, zero)
+    lse_safe = ops.where(lse_total == _NEG_INF, zero, lse_total)
     P = ops.exp(scores - ops.reshape(lse_safe, (B, c, dims.H, 1)))
     return kv_g, safe, P, lse, lse_safe
 
 
-def _prepare(query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=None):
+def _prepare(query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=None,
+             backward=False):
     dims = validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, grad_out=grad_out,
         float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX,
+        required=("grad_out",) if backward else (),
     )
     sm_scale = check_sm_scale(sm_scale)
     dtype = check_compute_dtype(dtype)
@@ -115,8 +119,10 @@ def sparse_mqa_fwd_ref(
         kv: ``[B, S_kv, Dk]`` same dtype as ``query``; the value is ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` for an empty slot, else in
             ``[0, S_kv)``.
-        sm_scale: multiplies ``q.k`` only (not the sink).
-        attn_sink: ``[H]`` float32/float64 sink logits (raw, not scaled), or ``None``.
+        sm_scale: multiplies ``q.k`` only (not the sink); finite and ``> 0``, also in float32
+            (:func:`checks.check_sm_scale`).
+        attn_sink: ``[H]`` float32/float64 sink logits (raw, not scaled), or ``None``; finite
+            or ``-inf`` (that head has no sink), never NaN or ``+inf``.
         d_v: value width ``Dv``, ``1 <= d_v <= Dk``.
         dtype: compute and output dtype, ``"float32"`` or ``"float64"``.
 
@@ -126,8 +132,9 @@ def sparse_mqa_fwd_ref(
         scaled scores, ``-inf`` for a row with no valid key (whose ``out`` is 0).
 
     Raises:
-        TypeError, ValueError: bad input, see :func:`checks.validate_inputs`; ``sm_scale`` not a
-        finite real; ``dtype`` not ``"float32"``/``"float64"``.
+        TypeError, ValueError: bad input, see :func:`checks.validate_inputs` (index range and
+        sink values are always checked here); ``sm_scale`` not a finite real ``> 0``;
+        ``dtype`` not ``"float32"``/``"float64"``.
     """
     dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
         query, kv, token_indices, sm_scale, attn_sink, d_v, dtype
@@ -166,7 +173,8 @@ def sparse_mqa_bwd_ref(
     Args:
         query, kv, token_indices, sm_scale, attn_sink, d_v, dtype: as in
             :func:`sparse_mqa_fwd_ref`.
-        grad_out: ``[B, S, H, Dv]`` float, gradient of the loss with respect to ``out``.
+        grad_out: ``[B, S, H, Dv]`` float, gradient of the loss with respect to ``out``
+            (required: ``None`` raises ``TypeError``).
 
     Returns:
         ``(dq [B, S, H, Dk], dkv [B, S_kv, Dk], d_sink [H])`` in ``dtype``; ``dkv`` sums over
@@ -177,7 +185,8 @@ def sparse_mqa_bwd_ref(
         TypeError, ValueError: as :func:`sparse_mqa_fwd_ref`, plus ``grad_out`` checks.
     """
     dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
-        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=grad_out
+        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=grad_out,
+        backward=True,
     )
     B, H, Dk, Dv = dims.B, dims.H, dims.Dk, dims.Dv
     step = _chunk_rows(dims, dtype, backward=True)
@@ -211,9 +220,15 @@ def sparse_mqa_bwd_ref(
 
 
 def _check_bridge(lse: Any, attn_sink: Any, lse_name: str):
-    if framework_of(lse) is None:
+    for name, t in ((lse_name, lse), ("attn_sink", attn_sink)):
+        if t is not None and framework_of(t) is None:
+            raise TypeError(
+                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type(t).__name__}"
+            )
+    if attn_sink is not None and framework_of(attn_sink) != framework_of(lse):
         raise TypeError(
-            f"{lse_name}: expected a paddle.Tensor or torch.Tensor, got {type(lse).__name__}"
+            f"attn_sink: expected a {framework_of(lse)} tensor like {lse_name}, got a "
+            f"{framework_of(attn_sink)} one"
         )
     ops = ops_for(lse, attn_sink)
     dt = ops.dtype(lse)
@@ -249,7 +264,8 @@ def lse_natural_to_log2_sink(lse: Any, attn_sink: Any = None):
         ``lse2``, same shape and dtype as ``lse``; ``-inf`` only without a sink and keys.
 
     Raises:
-        TypeError: non-tensor input, or a non-fp32/fp64 dtype.
+        TypeError: a non-tensor ``lse`` or ``attn_sink`` (the message names which), tensors of
+            two frameworks, or a non-fp32/fp64 dtype.
         ValueError: ``attn_sink`` not ``[H]`` with ``H = lse.shape[-1]``.
     """
     ops, sink = _check_bridge(lse, attn_sink, "lse")
@@ -284,9 +300,9 @@ def lse_log2_sink_to_natural(lse2: Any, attn_sink: Any = None):
     dt = ops.dtype(lse2)
     zero = ops.zeros((1,), dt, lse2)
     gap = sink - total  # <= 0 mathematically: the total includes the sink
-    # -inf sink (pad heads): the total is the keys alone.
-    finite_sink = sink > _NEG_INF
-    gap = ops.where(finite_sink, gap, ops.full((1,), _NEG_INF, dt, lse2))
+    # -inf sink (pad heads): the total is the keys alone.  (Tested as "== -inf" so that a NaN
+    # sink stays NaN instead of becoming "no sink".)
+    gap = ops.where(sink == _NEG_INF, ops.full((1,), _NEG_INF, dt, lse2), gap)
     # The forward bridge rounds lse2 to a few ulps of |total|, so a gap that small means the
     # keys weigh nothing measurable next to the sink: call it exactly 0 (lse = -inf) rather
     # than turning rounding noise into lse ~ sink - 37 (fp64) / sink - 16 (fp32).
