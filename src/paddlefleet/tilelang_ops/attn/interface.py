@@ -102,14 +102,6 @@ def _check_bool(value, name):
     return value
 
 
-def _positive_sm_scale(sm_scale) -> float:
-    value = check_sm_scale(sm_scale)
-    if value <= 0.0:
-        # the kernels keep running maxima of raw q.k and scale afterwards: needs sm_scale > 0
-        raise ValueError(f"sm_scale: expected a positive float, got {value}")
-    return value
-
-
 def _pad_heads(ops, t, h_pad):
     """Zero-pad axis 2 (heads) of a ``[B, S, H, D]`` tensor to ``h_pad``."""
     b, s, h, d = ops.shape(t)
@@ -222,7 +214,8 @@ def mqa_latent_sparse_fwd(
         d_v: value width ``Dv``; the kernels are built for ``(Dk, Dv) = (576, 512)``.
         block_h: 16, 32 or ``None`` (32 when it divides ``H``, else 16): head padding
             granularity (``tiling.head_plan``).
-        check_indices: check that every index is in ``[-1, S_kv)`` (one device->host read).
+        check_indices: check the values (every index in ``[-1, S_kv)``, no NaN/+inf sink, no
+            NaN lse; ``checks.validate_inputs(check_values=...)``): a few device->host reads.
         provider: kernel launchers (tests); default :class:`TileLangKernels`.
 
     Returns:
@@ -239,9 +232,9 @@ def mqa_latent_sparse_fwd(
     provider = provider or _DEFAULT_PROVIDER
     dims = validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, float_dtypes=("bfloat16",),
-        device=provider.device, check_index_values=_check_bool(check_indices, "check_indices"),
+        device=provider.device, check_values=_check_bool(check_indices, "check_indices"),
     )
-    sm_scale = _positive_sm_scale(sm_scale)
+    sm_scale = check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, token_indices, attn_sink)
@@ -308,9 +301,10 @@ def mqa_latent_sparse_bwd(
     dims = validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=_dv_of(grad_out), out=out,
         grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",), device=provider.device,
-        check_index_values=_check_bool(check_indices, "check_indices"),
+        check_values=_check_bool(check_indices, "check_indices"),
+        required=("out", "grad_out", "lse"),
     )
-    sm_scale = _positive_sm_scale(sm_scale)
+    sm_scale = check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
