@@ -239,17 +239,6 @@ def test_lse_values(good):
     assert call(bad, check_values=False).H == H
 
 
-def test_index_check_old_keyword(good):
-    """``check_index_values`` (the former name) still switches the value checks until
-    interface.py moves to ``check_values``."""
-    idx = good["token_indices"].numpy().copy()
-    idx[0, 1, 1] = S_KV
-    bad = dict(good, token_indices=T(idx))
-    assert call(bad, check_index_values=False).S_kv == S_KV
-    with pytest.raises(ValueError, match="^token_indices: expected values"):
-        call(bad, check_index_values=True, check_values=False)
-
-
 @pytest.mark.parametrize("name", ["out", "grad_out", "lse"])
 def test_required_tensors(good, name):
     req = ("out", "grad_out", "lse")

@@ -82,7 +82,6 @@ def validate_inputs(
     check_values: bool = True,
     aux_float_dtypes: Iterable[str] = ("float32",),
     required: Iterable[str] = (),
-    check_index_values: bool | None = None,
 ) -> Dims:
     """Check a sparse MQA-latent attention call and return its sizes.
 
@@ -104,8 +103,6 @@ def validate_inputs(
             (the fp64 reference) widens it.
         required: names among ``"attn_sink"``, ``"out"``, ``"grad_out"``, ``"lse"`` that must
             not be ``None`` (``query``, ``kv`` and ``token_indices`` always must).
-        check_index_values: former name of ``check_values``, accepted until ``interface.py``
-            switches over; ``None`` (default) defers to ``check_values``.
 
     Returns:
         :class:`Dims`.
@@ -118,8 +115,6 @@ def validate_inputs(
             ``[-1, S_kv)``, a NaN or ``+inf`` in ``attn_sink``, a NaN in ``lse``, or an unknown
             name in ``required``.
     """
-    if check_index_values is not None:
-        check_values = check_index_values
     required = tuple(required)
     unknown = [r for r in required if r not in _OPTIONAL]
     if unknown:
