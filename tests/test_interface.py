@@ -91,13 +91,16 @@ class CpuStandIn:
         self.calls.append(("pre",))
         _write(delta, (_np(out2d).astype(np.float64) * _np(do2d)).sum(-1))
 
-    def bwd_main(self, m, det, q, kv, do, idx, lse2, delta, scale, dq, acc):
+    def bwd_main(self, m, det, q, kv, do, idx, lse2, delta, scale, dq, acc, slot_partials=False):
         Q, KV, DO, I = _np(q).astype(np.float64), _np(kv).astype(np.float64), _np(do), _np(idx)
         LSE2, DEL, ACC = _np(lse2), _np(delta), _np(acc)
         sm, fx = (float(v) for v in _np(scale))
         B, S, h_pad, _ = Q.shape
         dv = DO.shape[-1]
-        self.calls.append(("main", m, h_pad, I.shape[-1], det))
+        self.calls.append(("main", m, h_pad, I.shape[-1], det) + (("slots",) if slot_partials
+                                                                 else ()))
+        if slot_partials:
+            assert ACC.shape == (B, S, h_pad // m, I.shape[-1], Q.shape[-1])
         valid = I >= 0
         safe = np.where(valid, I, 0)
         K = np.stack([KV[b][safe[b]] for b in range(B)])  # [B, S, L, Dk]
@@ -111,6 +114,9 @@ class CpuStandIn:
             dQ[:, :, sl] = np.einsum("bshl,bsld->bshd", dS, K)
             contrib = np.einsum("bshl,bshd->bsld", dS, Q[:, :, sl])
             contrib[..., :dv] += np.einsum("bshl,bshd->bsld", P, DO[:, :, sl])
+            if slot_partials:
+                ACC[:, :, sl.start // m] = contrib
+                continue
             for b in range(B):
                 rows, c = I[b][valid[b]], contrib[b][valid[b]]
                 if det:
@@ -119,6 +125,16 @@ class CpuStandIn:
                     np.add.at(ACC[b], rows, c.astype(np.float32))
         _write(dq, dQ)
         _write(acc, ACC)
+
+    def bwd_slot_reduce(self, parts, perm, offsets, dkv):
+        self.calls.append(("reduce",))
+        P, PERM, OFF = _np(parts), _np(perm), _np(offsets)
+        out = np.zeros(_np(dkv).shape)
+        for b in range(P.shape[0]):
+            for j in range(out.shape[1]):
+                for e in range(OFF[b, j], OFF[b, j + 1]):
+                    out[b, j] += P[b, PERM[b, e]]
+        _write(dkv, out)
 
     def bwd_postprocess(self, acc, scale, dkv):
         self.calls.append(("post",))
@@ -185,10 +201,11 @@ def test_fwd_through_stand_in_matches_reference(fw, H, L, sink, block_h, index_d
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("det", [True, False])
+@pytest.mark.parametrize("det, method", [(True, "fixed_point"), (True, "ordered"),
+                                         (False, "fixed_point")])
 @pytest.mark.parametrize("H, sink, lse_format", [(3, True, "natural"), (40, False, "natural"),
                                                  (100, True, "log2_sink")])
-def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
+def test_bwd_through_stand_in_matches_reference(fw, det, method, H, sink, lse_format):
     q, kv, do, sk, idx = _case(fw, 2, 5, 70, H, 100, sink, seed=H + 1, empty_rows=(0,))
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
@@ -196,7 +213,7 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
         lse = lse_natural_to_log2_sink(lse, sk)
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM,
                                                   deterministic=det, lse_format=lse_format,
-                                                  provider=prov)
+                                                  det_method=method, provider=prov)
     ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
     errs = (rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv))
     assert max(errs) < 1e-2, errs
@@ -210,8 +227,12 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
         assert not _np(ds).any()
     plan = tiling.head_plan(H)
     names = [c[0] for c in prov.calls]
-    assert names == ["fwd", "pre", "main"] + (["post"] if det else [])
-    assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det)
+    if method == "ordered":
+        assert names == ["fwd", "pre", "main", "reduce"]
+        assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det, "slots")
+    else:
+        assert names == ["fwd", "pre", "main"] + (["post"] if det else [])
+        assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -286,6 +307,9 @@ def test_bad_inputs_raise_naming_the_tensor(fw):
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     with pytest.raises(ValueError, match="lse_format"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, lse_format="log2",
+                                        provider=prov)
+    with pytest.raises(ValueError, match="det_method"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, det_method="sorted",
                                         provider=prov)
     with pytest.raises(TypeError, match="deterministic"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=1,

@@ -4,7 +4,7 @@ shared-memory merge off, and, where ``nvcc`` exists, the lowered CUDA compiles t
 
 Lowering costs 2-6 s per kernel on 2 cores, so only a handful of specialisations are built:
 the 64-head forward and deterministic backward (the reference shape), the 16-head atomic
-backward (the other key block), the preprocess and the postprocess.  Runs under tilelang-paddle
+backward (the other key block), the preprocess, the postprocess and the slot reduction.  Runs under tilelang-paddle
 0.1.13 (CI) and mainline TileLang 0.1.15; skipped when TileLang is not installed.
 """
 
@@ -47,7 +47,7 @@ def _lower(name, args, pass_configs=None):
 
         fwd, bwd = _kernels()
         jit = {"fwd": fwd.sparse_fwd, "pre": bwd.preprocess, "main": bwd.main,
-               "post": bwd.postprocess}[name]
+               "post": bwd.postprocess, "reduce": bwd.slot_reduce}[name]
         _CACHE[key] = lower(jit, args, pass_configs)
     return _CACHE[key]
 
@@ -70,6 +70,7 @@ SPECS = [
     ("main", (16, 576, 512, False, 64)),
     ("pre", (512,)),
     ("post", (576,)),
+    ("reduce", (576,)),
 ]
 
 
@@ -80,7 +81,8 @@ def test_settings_keep_the_merge_off():
 
 def test_every_kernel_takes_the_shared_pass_configs():
     fwd, bwd = _kernels()
-    for jit in (fwd.sparse_fwd, bwd.preprocess, bwd.main, bwd.postprocess):
+    jits = (fwd.sparse_fwd, bwd.preprocess, bwd.main, bwd.postprocess, bwd.slot_reduce)
+    for jit in jits:
         assert jit.pass_configs is settings.PASS_CONFIGS
     # no kernel file carries its own copy of a pass config
     decorators = []
@@ -88,7 +90,7 @@ def test_every_kernel_takes_the_shared_pass_configs():
         text = path.read_text()
         assert "PassConfigKey" not in text and "aggressive" not in text.lower(), path.name
         decorators += re.findall(r"@tilelang\.jit\(([^)]*)\)", text)
-    assert len(decorators) == 4
+    assert len(decorators) == len(jits)
     assert all(d == "pass_configs=settings.PASS_CONFIGS" for d in decorators), decorators
 
 

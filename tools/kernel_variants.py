@@ -52,6 +52,7 @@ def main(argv=None):
     bk = tiling.bwd_key_block(m)
     variants = [dict()] + [eval(v, {}) for v in ns.variants]  # noqa: S307 (trusted CLI)
     jobs = [((m, DK, DV, det, bk), kw) for kw in variants for det in (True, False)]
+    jobs.append(((m, DK, DV, True, bk), dict(slot_partials=True)))
     with ProcessPoolExecutor(max_workers=16) as pool:
         for args, kw, dt, err in pool.map(_compile, jobs):
             print(f"[compile] {args} {kw} {dt:.1f}s {err or 'ok'}", flush=True)
@@ -105,6 +106,22 @@ def main(argv=None):
                               device="cuda")
             rows.append((f"bwd main det={det} {kw}",
                          _time(lambda: k(q, kv, do, idx, lse2, delta3, scale2, dq, acc)), bflop))
+    # ordered deterministic mode: slot partials, stable sort, fixed-order reduction
+    g_n = plan.num_groups
+    parts = torch.empty((B, S, g_n, L, DK), dtype=torch.float32, device="cuda")
+    ks = sparse_bwd.main(m, DK, DV, True, bk, slot_partials=True)
+    rows.append(("bwd main slot partials",
+                 _time(lambda: ks(q, kv, do, idx, lse2, delta3, scale2, dq, parts)), bflop))
+    rows.append(("bwd sort slots", _time(lambda: interface._sort_slots_by_key(ops, idx, g_n, S_kv)),
+                 None))
+    perm, off = interface._sort_slots_by_key(ops, idx, g_n, S_kv)
+    red = sparse_bwd.slot_reduce(DK)
+    dkv_o = torch.empty((B, S_kv, DK), dtype=torch.bfloat16, device="cuda")
+    parts2 = parts.view(B, -1, DK)
+    rows.append(("bwd slot reduce", _time(lambda: red(parts2, perm, off, dkv_o)), None))
+    del parts, parts2
+    rows.append(("bwd wrapper det ordered", _time(lambda: interface.mqa_latent_sparse_bwd(
+        q, kv, out, do, lse, None, idx, sm, det_method="ordered", check_indices=False)), bflop))
     acc = torch.zeros((B, S_kv, DK), dtype=torch.int64, device="cuda")
     post = sparse_bwd.postprocess(DK)
     dkv = torch.empty((B, S_kv, DK), dtype=torch.bfloat16, device="cuda")

@@ -8,9 +8,10 @@ pytest would take minutes.  This tool builds them in a process pool that shares
     python tools/precompile.py --lower-only     # lower for sm_90a only (any CPU machine)
     python tools/precompile.py --heads 64 --jobs 4
 
-Specialisations: the forward and both backward flavours (deterministic / atomic) for every head
-tile in ``--heads`` (default 16 32 64, all the tiles ``tiling.head_plan`` can give), plus
-the backward preprocess and postprocess.  Prints one line per kernel and a summary; exits 1 if
+Specialisations: the forward and the three backward flavours (deterministic fixed point,
+deterministic ordered slot partials, atomic) for every head tile in ``--heads`` (default
+16 32 64, all the tiles ``tiling.head_plan`` can give), plus the backward preprocess,
+postprocess and slot reduction.  Prints one line per kernel and a summary; exits 1 if
 any failed.
 """
 
@@ -34,11 +35,13 @@ def kernel_specs(heads=(16, 32, 64)):
     """``(name, args)`` of every specialisation; ``args`` as the kernel builders take them."""
     from paddlefleet.tilelang_ops.attn import tiling
 
-    specs = [("bwd_preprocess", (D_V,)), ("bwd_postprocess", (D_QK,))]
+    specs = [("bwd_preprocess", (D_V,)), ("bwd_postprocess", (D_QK,)),
+             ("bwd_slot_reduce", (D_QK,))]
     for m in heads:
         specs.append(("fwd", (m, D_QK, D_V)))
         for det in (True, False):
             specs.append(("bwd_main", (m, D_QK, D_V, det, tiling.bwd_key_block(m))))
+        specs.append(("bwd_main_slots", (m, D_QK, D_V, True, tiling.bwd_key_block(m))))
     return specs
 
 
@@ -49,14 +52,19 @@ def _builder(name):
         return sparse_fwd
     from paddlefleet.tilelang_ops.attn.kernels import sparse_bwd
 
+    if name == "bwd_main_slots":
+        return lambda *a: sparse_bwd.main(*a, slot_partials=True)
     return {"bwd_preprocess": sparse_bwd.preprocess, "bwd_main": sparse_bwd.main,
-            "bwd_postprocess": sparse_bwd.postprocess}[name]
+            "bwd_postprocess": sparse_bwd.postprocess, "bwd_slot_reduce": sparse_bwd.slot_reduce}[name]
 
 
 def lower(name, args, pass_configs=None):
     """Lower one specialisation for ``settings.TARGET`` (no GPU needed)."""
     from paddlefleet.tilelang_ops.attn.kernels import lower as lower_kernel
+    from paddlefleet.tilelang_ops.attn.kernels import sparse_bwd
 
+    if name == "bwd_main_slots":
+        return lower_kernel(sparse_bwd.main, args, pass_configs, {"slot_partials": True})
     return lower_kernel(_builder(name), args, pass_configs)
 
 

@@ -92,11 +92,19 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(out2d, do2d, *v),
                       [("delta", delta, True)])
 
-        def bwd_main(self, m, det, q, kv, do, idx, lse2, delta, scale, dq, acc):
+        def bwd_main(self, m, det, q, kv, do, idx, lse2, delta, scale, dq, acc,
+                     slot_partials=False):
             self._run(
                 lambda v: super(GuardedKernels, self).bwd_main(m, det, q, kv, do, idx, lse2,
-                                                               delta, scale, *v),
-                [("dq", dq, True), ("dkv_acc", acc, False)])
+                                                               delta, scale, *v,
+                                                               slot_partials=slot_partials),
+                # slot partials are written whole (poisoned first); the accumulators added into
+                [("dq", dq, True), ("dkv_acc", acc, slot_partials)])
+
+        def bwd_slot_reduce(self, parts, perm, offsets, dkv):
+            self._run(lambda v: super(GuardedKernels, self).bwd_slot_reduce(parts, perm, offsets,
+                                                                            *v),
+                      [("dkv", dkv, True)])
 
         def bwd_postprocess(self, acc, scale, dkv):
             self._run(lambda v: super(GuardedKernels, self).bwd_postprocess(acc, scale, *v),
@@ -183,13 +191,22 @@ def test_against_reference(case):
     for other in runs[1:]:
         for a, b, name in zip(runs[0], other, ("dq", "dkv", "d_sink")):
             assert torch.equal(a, b), f"{name} not bitwise repeatable (deterministic=True)"
+    ordered = [interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
+                                               block_h=bh, det_method="ordered", provider=prov)
+               for _ in range(2)]
+    for a, b, name in zip(ordered[0], ordered[1], ("dq", "dkv", "d_sink")):
+        assert torch.equal(a, b), f"{name} not bitwise repeatable (det_method='ordered')"
+    dq_o, dkv_o, _ = ordered[0]
+    assert torch.equal(dq_o, dq), "dq must not depend on det_method"
     dq_a, dkv_a, ds_a = interface.mqa_latent_sparse_bwd(
         q, kv, out, do, lse, sink, idx, SM_SCALE, block_h=bh, deterministic=False,
         provider=prov)
     errs = dict(out=e_out, lse=e_lse, dq=rel_l2(dq.float(), ref_dq),
                 dkv=rel_l2(dkv.float(), ref_dkv), dq_atomic=rel_l2(dq_a.float(), ref_dq),
                 dkv_atomic=rel_l2(dkv_a.float(), ref_dkv),
-                det_vs_atomic=rel_l2(dkv.float(), dkv_a.float()))
+                det_vs_atomic=rel_l2(dkv.float(), dkv_a.float()),
+                dkv_ordered=rel_l2(dkv_o.float(), ref_dkv),
+                ordered_vs_fixed=rel_l2(dkv_o.float(), dkv.float()))
     if sink is not None:
         # d_sink[h] sums P_sink * Delta over rows with both signs: with few heads the sum cancels
         # and its relative error grows, so measure it against the size of the summed terms.

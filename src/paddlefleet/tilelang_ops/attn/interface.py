@@ -70,7 +70,9 @@ class TileLangKernels:
             elif name == "pre":
                 kernel = sparse_bwd.preprocess(*args)
             elif name == "main":
-                kernel = sparse_bwd.main(*args)
+                kernel = sparse_bwd.main(*args[:-1], slot_partials=args[-1])
+            elif name == "reduce":
+                kernel = sparse_bwd.slot_reduce(*args)
             else:
                 kernel = sparse_bwd.postprocess(*args)
             self._kernels[key] = kernel
@@ -84,10 +86,13 @@ class TileLangKernels:
         self._kernel(("pre", int(out2d.shape[-1])))(out2d, grad_out2d, delta)
 
     def bwd_main(self, heads_per_cta, deterministic, q, kv, grad_out, indices, lse2, delta,
-                 scale, dq, dkv_acc):
+                 scale, dq, dkv_acc, slot_partials=False):
         key = ("main", heads_per_cta, int(q.shape[-1]), int(grad_out.shape[-1]),
-               bool(deterministic), tiling.bwd_key_block(heads_per_cta))
+               bool(deterministic), tiling.bwd_key_block(heads_per_cta), bool(slot_partials))
         self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, dq, dkv_acc)
+
+    def bwd_slot_reduce(self, parts, perm, offsets, dkv):
+        self._kernel(("reduce", int(parts.shape[-1])))(parts, perm, offsets, dkv)
 
     def bwd_postprocess(self, dkv_acc, scale, dkv):
         self._kernel(("post", int(dkv_acc.shape[-1])))(dkv_acc, scale, dkv)
@@ -150,6 +155,36 @@ def _absmax(ops, t):
     if ops.device_kind(t) == "cpu":  # Paddle's CPU build has no bf16 math
         t = ops.cast(t, "float32")
     return ops.cast(ops.reshape(t.norm(p=float("inf")), (1,)), "float64")
+
+
+def _sort_slots_by_key(ops, idx, num_groups, s_kv):
+    """CSR of the ordered deterministic mode: for keys ``idx [B, S, L]`` repeated over the head
+    groups (rows ``((s * G) + g) * L + l`` of the slot partials), a stable sort by key gives
+    ``perm [B, R] int32`` and ``offsets [B, S_kv + 1] int32`` (key ``j`` owns sorted positions
+    ``offsets[j] .. offsets[j+1]``; the ``-1`` slots sort first and belong to no key).  Both are
+    integer and stable, so the summation order they fix is the same on every call."""
+    b, s, l = ops.shape(idx)
+    keys = ops.reshape(idx, (b, s, 1, l))
+    if num_groups > 1:
+        keys = ops.concat([keys] * num_groups, axis=2)
+    keys = ops.reshape(keys, (b, s * num_groups * l))
+    if ops.name == "torch":
+        import torch
+
+        vals, perm = torch.sort(keys, dim=-1, stable=True)
+        targets = torch.arange(s_kv + 1, dtype=torch.int32, device=keys.device)
+        offsets = torch.searchsorted(vals, targets.expand(b, s_kv + 1).contiguous(),
+                                     out_int32=True)
+    else:
+        import paddle
+
+        perm = paddle.argsort(keys, axis=-1, stable=True)
+        vals = paddle.take_along_axis(keys, perm, axis=-1)
+        targets = paddle.arange(s_kv + 1, dtype="int32").expand([b, s_kv + 1])
+        if targets.place != keys.place:
+            targets = targets.to(keys.place)
+        offsets = paddle.searchsorted(vals, targets.contiguous(), out_int32=True)
+    return ops.contiguous(ops.cast(perm, "int32")), ops.contiguous(offsets)
 
 
 def fixed_point_scale(ops, query, kv, grad_out, delta, sm_scale, num_rows):
@@ -263,6 +298,7 @@ def mqa_latent_sparse_bwd(
     deterministic: bool = True,
     lse_format: str = "natural",
     *,
+    det_method: str = "fixed_point",
     check_indices: bool = True,
     provider: Any = None,
 ):
@@ -283,6 +319,11 @@ def mqa_latent_sparse_bwd(
             processes (int64 fixed-point dKV, :func:`fixed_point_scale`); ``False``: fp32
             atomics for dKV (faster, last-bit differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
+        det_method: how ``deterministic=True`` sums dKV: ``"fixed_point"`` (int64 fixed-point
+            atomics; scratch ``B*S_kv*Dk*8`` bytes) or ``"ordered"`` (every query row writes its
+            dKV rows to a scratch ``[B, S, G, L, Dk]`` fp32, then a stable sort by key fixes the
+            order in which one kernel sums them; scratch ``B*S*G*L*Dk*4`` bytes, 19.3 GB at
+            S=4096, topk=2048).  Both are bitwise repeatable; they round differently.
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
 
     Returns:
@@ -298,6 +339,9 @@ def mqa_latent_sparse_bwd(
     if lse_format not in ("natural", "log2_sink"):
         raise ValueError(f"lse_format: expected 'natural' or 'log2_sink', got {lse_format!r}")
     _check_bool(deterministic, "deterministic")
+    if det_method not in ("fixed_point", "ordered"):
+        raise ValueError(f"det_method: expected 'fixed_point' or 'ordered', got {det_method!r}")
+    ordered = deterministic and det_method == "ordered"
     dims = validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=_dv_of(grad_out), out=out,
         grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",), device=provider.device,
@@ -342,13 +386,24 @@ def mqa_latent_sparse_bwd(
     delta_p = ops.contiguous(_pad_rows(ops, delta, h_pad, 0.0))
 
     sm = ops.full((1,), sm_scale, "float32", q)
-    if deterministic:
+    if deterministic and not ordered:
         fx = fixed_point_scale(ops, query, kv, grad_out, delta, sm_scale, n_rows)
     else:
         fx = ops.full((1,), 1.0, "float32", q)
     scale = ops.concat([sm, fx], axis=0)
 
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
+    if ordered:
+        l_pad = ops.shape(idx)[-1]
+        g = plan.num_groups
+        parts = ops.empty((B, S, g, l_pad, dims.Dk), "float32", q)
+        provider.bwd_main(plan.heads_per_cta, True, q, kv_c, do_p, idx, lse2_p, delta_p, scale,
+                          dq, parts, slot_partials=True)
+        perm, offsets = _sort_slots_by_key(ops, idx, g, dims.S_kv)
+        dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
+        provider.bwd_slot_reduce(ops.reshape(parts, (B, S * g * l_pad, dims.Dk)), perm, offsets,
+                                 dkv)
+        return _slice_heads(ops, dq, H), dkv, d_sink
     acc = ops.zeros((B, dims.S_kv, dims.Dk), "int64" if deterministic else "float32", q)
     provider.bwd_main(plan.heads_per_cta, deterministic, q, kv_c, do_p, idx, lse2_p, delta_p,
                       scale, dq, acc)

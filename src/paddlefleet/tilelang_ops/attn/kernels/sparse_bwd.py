@@ -33,7 +33,7 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["preprocess", "main", "postprocess"]
+__all__ = ["preprocess", "main", "postprocess", "slot_reduce"]
 
 LOG2E = 1.4426950408889634
 
@@ -78,7 +78,8 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: int = 32,
-         threads: int = 256, scatter_early=None, num_stages: int = 1):
+         threads: int = 256, scatter_early=None, num_stages: int = 1,
+         slot_partials: bool = False):
     """Build the main backward kernel for one head tile.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -93,9 +94,14 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
     scatter (det 33.5 -> 30.5 ms); ``scatter_early`` (default: the atomic path only) runs dQ's
     two GEMMs after the dKV scatter (atomic 19.1 -> 15.6 ms with ``num_stages=1``; the int64
     path was slower that way, 32.0 ms).
+
+    ``slot_partials=True`` (ordered deterministic mode) replaces the scatter by plain coalesced
+    stores of each block's dKV rows into ``dKV_acc [B, S, G, L, Dk] fp32`` (one row per query
+    row, head group and top-k slot; ``G = H_pad / M``): nothing is shared between CTAs, and
+    :func:`slot_reduce` sums the rows of each key in a fixed order afterwards.
     """
     if scatter_early is None:
-        scatter_early = not deterministic
+        scatter_early = not deterministic or slot_partials
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     assert block_k % 2 == 0
@@ -106,13 +112,15 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
     HALF = BK // 2  # the dKV block is staged through shared memory in two halves (smem budget)
     dtype = "bfloat16"
     acc_t = "float32"
-    dkv_t = "int64" if deterministic else "float32"
+    dkv_t = "int64" if deterministic and not slot_partials else "float32"
 
     B = T.dynamic("B")
     S = T.dynamic("S")
     S_kv = T.dynamic("S_kv")
     L = T.dynamic("L")
     H_pad = T.dynamic("H_pad")
+    G = T.dynamic("G")
+    acc_shape = [B, S, G, L, d_qk] if slot_partials else [B, S_kv, d_qk]
 
     @T.prim_func
     def sparse_bwd_main(
@@ -124,7 +132,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
         Delta: T.Tensor([B, S, H_pad], acc_t),
         Scale: T.Tensor([2], acc_t),
         dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
-        dKV_acc: T.Tensor([B, S_kv, d_qk], dkv_t),
+        dKV_acc: T.Tensor(acc_shape, dkv_t),
     ):
         with T.Kernel(S, B, H_pad // M, threads=threads) as (s_i, b_i, g_i):
             Q_shared = T.alloc_shared([M, D], dtype)
@@ -191,38 +199,43 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
 
-                for half in T.serial(2):
-                    for j, d in T.Parallel(BK, D):
-                        if j < HALF:
-                            dkv_stage[j, d] = acc_dkv[half * HALF + j, d]
-                    for j, d in T.Parallel(BK, D_tail):
-                        if j < HALF:
-                            dkv_tail_stage[j, d] = acc_dkv_tail[half * HALF + j, d]
-                    if deterministic:
-                        for j, d in T.Parallel(HALF, D):
-                            idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                            if idx >= 0:
-                                T.atomic_add(
-                                    dKV_acc[b_i, idx, d],
-                                    T.Cast("int64", T.round(dkv_stage[j, d] * sc[2])),
-                                )
-                        for j, d in T.Parallel(HALF, D_tail):
-                            idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                            if idx >= 0:
-                                T.atomic_add(
-                                    dKV_acc[b_i, idx, D + d],
-                                    T.Cast("int64", T.round(dkv_tail_stage[j, d] * sc[2])),
-                                )
-                    else:
-                        for j, d4 in T.Parallel(HALF, D // 4):
-                            idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                            if idx >= 0:
-                                T.atomic_addx4(dKV_acc[b_i, idx, d4 * 4], dkv_stage[j, d4 * 4])
-                        for j, d4 in T.Parallel(HALF, D_tail // 4):
-                            idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                            if idx >= 0:
-                                T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
-                                               dkv_tail_stage[j, d4 * 4])
+                if slot_partials:
+                    # plain stores straight from the fragments: this CTA owns these slot rows
+                    T.copy(acc_dkv, dKV_acc[b_i, s_i, g_i, k_i * BK:(k_i + 1) * BK, :D])
+                    T.copy(acc_dkv_tail, dKV_acc[b_i, s_i, g_i, k_i * BK:(k_i + 1) * BK, D:])
+                else:
+                    for half in T.serial(2):
+                        for j, d in T.Parallel(BK, D):
+                            if j < HALF:
+                                dkv_stage[j, d] = acc_dkv[half * HALF + j, d]
+                        for j, d in T.Parallel(BK, D_tail):
+                            if j < HALF:
+                                dkv_tail_stage[j, d] = acc_dkv_tail[half * HALF + j, d]
+                        if deterministic:
+                            for j, d in T.Parallel(HALF, D):
+                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
+                                if idx >= 0:
+                                    T.atomic_add(
+                                        dKV_acc[b_i, idx, d],
+                                        T.Cast("int64", T.round(dkv_stage[j, d] * sc[2])),
+                                    )
+                            for j, d in T.Parallel(HALF, D_tail):
+                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
+                                if idx >= 0:
+                                    T.atomic_add(
+                                        dKV_acc[b_i, idx, D + d],
+                                        T.Cast("int64", T.round(dkv_tail_stage[j, d] * sc[2])),
+                                    )
+                        else:
+                            for j, d4 in T.Parallel(HALF, D // 4):
+                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
+                                if idx >= 0:
+                                    T.atomic_addx4(dKV_acc[b_i, idx, d4 * 4], dkv_stage[j, d4 * 4])
+                            for j, d4 in T.Parallel(HALF, D_tail // 4):
+                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
+                                if idx >= 0:
+                                    T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
+                                                   dkv_tail_stage[j, d4 * 4])
 
                 if scatter_early:
                     # dQ's GEMMs after the scatter: the fire-and-forget atomics drain while the
@@ -261,3 +274,39 @@ def postprocess(d_qk: int, block_rows: int = 32, threads: int = 256):
                         "float32", T.Cast("float64", dKV_acc[b_i, r_blk * R + r, d]) * inv[0]))
 
     return sparse_bwd_postprocess
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def slot_reduce(d_qk: int, threads: int = 144):
+    """Ordered deterministic dKV: ``dKV[b, j] = sum of Parts[b, Perm[b, e]]`` for
+    ``e`` in ``[Off[b, j], Off[b, j + 1])``, summed in that (sorted, stable) order in fp32.
+
+    ``Parts [B, R, Dk] fp32`` are the per-(query row, head group, slot) dKV rows written by
+    ``main(..., slot_partials=True)`` (``R = S * G * L``); ``Perm [B, R] int32`` sorts them by key
+    (stable, so ties stay in row order); ``Off [B, S_kv + 1] int32`` delimits each key's run.  One
+    CTA per key row, each thread 4 columns; a fixed summation order makes it bitwise repeatable.
+    """
+    assert d_qk % threads == 0 or d_qk % (threads // 2) == 0
+    B = T.dynamic("B")
+    R = T.dynamic("R")
+    S_kv = T.dynamic("S_kv")
+    S_kv1 = T.dynamic("S_kv1")
+
+    @T.prim_func
+    def sparse_bwd_slot_reduce(
+        Parts: T.Tensor([B, R, d_qk], "float32"),
+        Perm: T.Tensor([B, R], "int32"),
+        Off: T.Tensor([B, S_kv1], "int32"),
+        dKV: T.Tensor([B, S_kv, d_qk], "bfloat16"),
+    ):
+        with T.Kernel(S_kv, B, threads=threads) as (j, b_i):
+            acc = T.alloc_fragment([d_qk], "float32")
+            T.clear(acc)
+            for e in T.serial(Off[b_i, j + 1] - Off[b_i, j]):
+                r = Perm[b_i, Off[b_i, j] + e]
+                for d in T.Parallel(d_qk):
+                    acc[d] = acc[d] + Parts[b_i, r, d]
+            for d in T.Parallel(d_qk):
+                dKV[b_i, j, d] = T.Cast("bfloat16", acc[d])
+
+    return sparse_bwd_slot_reduce
