@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(REPO, "src")
 if SRC not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, SRC)
+
+from paddlefleet.tilelang_ops.launch import launch_ranks  # noqa: E402  (needs SRC on sys.path)
 
 # Set by paddle.distributed.launch in every rank it starts.
 _IN_LAUNCHED_RANK = "PADDLE_TRAINER_ID" in os.environ and "PADDLE_TRAINERS_NUM" in os.environ
@@ -103,34 +101,15 @@ def _parse(argv=None):
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _relaunch(args, argv) -> int:
     """Run this script on ``args.nproc`` ranks; returns the exit status (124 on timeout)."""
-    log_dir = tempfile.mkdtemp(prefix="train_step_logs_")
-    cmd = [sys.executable, "-m", "paddle.distributed.launch",
-           "--nproc_per_node", str(args.nproc),
-           "--master", f"127.0.0.1:{_free_port()}", "--log_dir", log_dir]
-    if _use_gpu(args.device):
-        cmd += ["--devices", ",".join(str(i) for i in range(args.nproc))]
-    cmd += [os.path.abspath(__file__), *argv]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (SRC, env.get("PYTHONPATH")) if x)
-    print(f"launching {args.nproc} ranks (logs: {log_dir})", flush=True)
-    # Own session: on timeout the launcher and its ranks are killed together, nothing else.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        return proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    devices = range(args.nproc) if _use_gpu(args.device) else None
+    res = launch_ranks(os.path.abspath(__file__), args.nproc, argv, timeout=args.timeout,
+                       devices=devices, log_prefix="train_step_logs_")
+    if res.timed_out:
         print(f"error: {args.nproc}-rank run timed out after {args.timeout:.0f} s; "
-              f"see {log_dir}/workerlog.*", file=sys.stderr)
-        return 124
+              f"see {res.log_dir}/workerlog.*", file=sys.stderr)
+    return res.returncode
 
 
 def _use_gpu(device: str) -> bool:
