@@ -129,11 +129,11 @@ class CpuStandIn:
     def bwd_slot_reduce(self, parts, perm, offsets, dkv):
         self.calls.append(("reduce",))
         P, PERM, OFF = _np(parts), _np(perm), _np(offsets)
-        out = np.zeros(_np(dkv).shape)
+        out = _np(dkv).astype(np.float32)
         for b in range(P.shape[0]):
             for j in range(out.shape[1]):
                 for e in range(OFF[b, j], OFF[b, j + 1]):
-                    out[b, j] += P[b, PERM[b, e]]
+                    out[b, j] += P[b, PERM[b, e]]  # fp32, in order, like the kernel
         _write(dkv, out)
 
     def bwd_postprocess(self, acc, scale, dkv):
@@ -228,11 +228,26 @@ def test_bwd_through_stand_in_matches_reference(fw, det, method, H, sink, lse_fo
     plan = tiling.head_plan(H)
     names = [c[0] for c in prov.calls]
     if method == "ordered":
-        assert names == ["fwd", "pre", "main", "reduce"]
+        assert names == ["fwd", "pre"] + ["main", "reduce"] * 2  # one call per batch element
         assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det, "slots")
     else:
         assert names == ["fwd", "pre", "main"] + (["post"] if det else [])
         assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_ordered_chunks_equal_one_pass(fw, monkeypatch):
+    q, kv, do, sk, idx = _case(fw, 2, 7, 64, 72, 100, True, seed=8)
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    one = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    # 3 query rows per chunk (two head groups, 128 slots): 3 chunks per batch element
+    monkeypatch.setattr(interface, "ORDERED_SCRATCH_BYTES", 3 * 2 * 128 * DK * 4)
+    prov.calls.clear()
+    chunked = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    assert [c[0] for c in prov.calls].count("reduce") == 6
+    for a, b in zip(one, chunked):
+        assert np.array_equal(_np(a), _np(b))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

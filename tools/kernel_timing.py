@@ -4,7 +4,7 @@
     python tools/kernel_timing.py --heads 8 128 --topk 640
 
 Prints, per head count, the median time (CUDA events, several repeats) of the forward, the
-deterministic backward and the atomic backward, each through its host wrapper (padding and
+deterministic backward (ordered, and fixed point) and the atomic backward, each through its host wrapper (padding and
 preprocess included), with TFLOP/s from the usual FLOP counts
 (fwd ``2*B*S*H*topk*(Dk+Dv)``, bwd ``2*B*S*H*topk*(2*Dv+3*Dk)``).  Needs PyTorch with CUDA.
 The benchmark suite proper (CSV, plots, baselines) lives in tools/bench/.
@@ -70,17 +70,19 @@ def main(argv=None):
         fwd = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink,  # noqa: E731
                                                       check_indices=False)
 
-        def bwd(det):
+        def bwd(det, method="ordered"):
             return lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
                                                            deterministic=det,
+                                                           det_method=method,
                                                            check_indices=False)
 
         f_flop = 2.0 * B * S * H * L * (DK + DV)
         b_flop = 2.0 * B * S * H * L * (2 * DV + 3 * DK)
         for name, fn, flop in (("fwd", fwd, f_flop), ("bwd_det", bwd(True), b_flop),
+                               ("bwd_det_fixed", bwd(True, "fixed_point"), b_flop),
                                ("bwd_atomic", bwd(False), b_flop)):
             med, lo, hi = _time(fn, reps=ns.reps)
-            print(f"H={H:4d} {name:10s} {med:8.3f} ms (min {lo:.3f}, max {hi:.3f})  "
+            print(f"H={H:4d} {name:13s} {med:8.3f} ms (min {lo:.3f}, max {hi:.3f})  "
                   f"{flop / med / 1e9:7.1f} TFLOP/s", flush=True)
 
 

@@ -116,19 +116,19 @@ def main(argv=None):
                  None))
     perm, off = interface._sort_slots_by_key(ops, idx, g_n, S_kv)
     red = sparse_bwd.slot_reduce(DK)
-    dkv_o = torch.empty((B, S_kv, DK), dtype=torch.bfloat16, device="cuda")
+    dkv_o = torch.zeros((B, S_kv, DK), dtype=torch.float32, device="cuda")
     parts2 = parts.view(B, -1, DK)
     rows.append(("bwd slot reduce", _time(lambda: red(parts2, perm, off, dkv_o)), None))
     del parts, parts2
-    rows.append(("bwd wrapper det ordered", _time(lambda: interface.mqa_latent_sparse_bwd(
-        q, kv, out, do, lse, None, idx, sm, det_method="ordered", check_indices=False)), bflop))
+    for name, method in (("ordered", "ordered"), ("fixed point", "fixed_point")):
+        rows.append((f"bwd wrapper det {name}", _time(lambda: interface.mqa_latent_sparse_bwd(
+            q, kv, out, do, lse, None, idx, sm, det_method=method, check_indices=False)), bflop))
     acc = torch.zeros((B, S_kv, DK), dtype=torch.int64, device="cuda")
     post = sparse_bwd.postprocess(DK)
     dkv = torch.empty((B, S_kv, DK), dtype=torch.bfloat16, device="cuda")
     rows.append(("bwd postprocess", _time(lambda: post(acc, scale2, dkv)), None))
-    for det in (True, False):
-        rows.append((f"bwd wrapper det={det}", _time(lambda: interface.mqa_latent_sparse_bwd(
-            q, kv, out, do, lse, None, idx, sm, deterministic=det, check_indices=False)), bflop))
+    rows.append(("bwd wrapper atomic", _time(lambda: interface.mqa_latent_sparse_bwd(
+        q, kv, out, do, lse, None, idx, sm, deterministic=False, check_indices=False)), bflop))
     print(f"\nGPU {torch.cuda.get_device_name()} B={B} S={S} S_kv={S_kv} H={H} topk={L}")
     for name, (med, lo, hi), flop in rows:
         tf = f"{flop / med / 1e9:7.1f} TFLOP/s" if flop else ""

@@ -278,8 +278,8 @@ def postprocess(d_qk: int, block_rows: int = 32, threads: int = 256):
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def slot_reduce(d_qk: int, threads: int = 144):
-    """Ordered deterministic dKV: ``dKV[b, j] = sum of Parts[b, Perm[b, e]]`` for
-    ``e`` in ``[Off[b, j], Off[b, j + 1])``, summed in that (sorted, stable) order in fp32.
+    """Ordered deterministic dKV: ``dKV[b, j] += Parts[b, Perm[b, e]]`` for ``e`` from
+    ``Off[b, j]`` to ``Off[b, j + 1] - 1``, one after the other, in fp32.
 
     ``Parts [B, R, Dk] fp32`` are the per-(query row, head group, slot) dKV rows written by
     ``main(..., slot_partials=True)`` (``R = S * G * L``); ``Perm [B, R] int32`` sorts them by key
@@ -297,16 +297,17 @@ def slot_reduce(d_qk: int, threads: int = 144):
         Parts: T.Tensor([B, R, d_qk], "float32"),
         Perm: T.Tensor([B, R], "int32"),
         Off: T.Tensor([B, S_kv1], "int32"),
-        dKV: T.Tensor([B, S_kv, d_qk], "bfloat16"),
+        dKV: T.Tensor([B, S_kv, d_qk], "float32"),
     ):
         with T.Kernel(S_kv, B, threads=threads) as (j, b_i):
             acc = T.alloc_fragment([d_qk], "float32")
-            T.clear(acc)
+            for d in T.Parallel(d_qk):
+                acc[d] = dKV[b_i, j, d]
             for e in T.serial(Off[b_i, j + 1] - Off[b_i, j]):
                 r = Perm[b_i, Off[b_i, j] + e]
                 for d in T.Parallel(d_qk):
                     acc[d] = acc[d] + Parts[b_i, r, d]
             for d in T.Parallel(d_qk):
-                dKV[b_i, j, d] = T.Cast("bfloat16", acc[d])
+                dKV[b_i, j, d] = acc[d]
 
     return sparse_bwd_slot_reduce
