@@ -1,31 +1,36 @@
 """TileLang backward kernels: sparse MQA-latent attention with an attention sink.
 
-Three kernels, run in this order by ``attn/interface.py``:
+Run in this order by ``attn/interface.py``:
 
-``preprocess``  ``Delta[n] = sum_d O[n, d] * dO[n, d]`` (fp32) over the flattened rows
-                ``n = (b, s, h)`` of the real heads.
-``main``        one CTA per (query row ``s``, batch ``b``, head group ``g``) walks the row's top-k
-                slots in key blocks of ``BK``; per block it gathers the latent rows through clamped
-                indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2`` base-2,
-                sink-inclusive, finite), then ``dP = dO V^T``, ``dS = P (dP - Delta) sm_scale``,
-                ``dQ += dS K`` (registers, written once at the end: deterministic) and
-                ``dKV_blk = dS^T Q + P^T dO`` (the second term on the first ``Dv`` columns),
-                which it adds into a global accumulator, skipping ``-1`` slots:
+``preprocess``   ``Delta[n] = sum_d O[n, d] * dO[n, d]`` (fp32) over the flattened rows
+                 ``n = (b, s, h)`` of the real heads.
+``main``         one CTA per (query row ``s``, batch ``b``, head group ``g``) walks the row's top-k
+                 slots in key blocks of ``BK``; per block it gathers the latent rows through
+                 clamped indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2``
+                 base-2, sink-inclusive, finite), then ``dP = dO V^T``, ``dS = P (dP - Delta)
+                 sm_scale``, ``dQ += dS K`` (registers, written once at the end: deterministic)
+                 and ``dKV_blk = dS^T Q + P^T dO`` (the second term on the first ``Dv`` columns).
+                 Where ``dKV_blk`` goes is static:
 
-                * ``deterministic=True``: int64 fixed point.  Each fp32 contribution ``x`` becomes
-                  ``round(x * scale)`` and is added with an integer atomic.  Integer addition is
-                  associative, so the sum is exact and independent of the order in which CTAs
-                  arrive: bitwise repeatable.  ``scale`` (a power of two chosen per call from a
-                  bound on ``|dKV|``, see ``interface._fixed_point_scale``) keeps every partial sum
-                  below ``2^62`` in magnitude; each contribution is rounded by at most
-                  ``0.5 / scale``.
-                * ``deterministic=False``: fp32 ``atomic_addx4`` (fast, order-dependent rounding).
-``postprocess`` the int64 accumulator -> fp64 -> ``* (1 / scale)`` -> bf16 ``dKV``.
+                 * ordered (``slot_partials=True``, the default deterministic mode): plain
+                   stores to a per-(row, head group, slot) scratch that this CTA alone owns;
+                   ``slot_reduce`` then adds each key's rows in a fixed (sorted) order.
+                 * fixed point (``deterministic=True``): each fp32 contribution ``x`` becomes
+                   ``round(x * scale)`` and is added with an int64 atomic into the accumulator,
+                   skipping ``-1`` slots.  Integer addition is associative, so the sum is exact
+                   and independent of the order in which CTAs arrive.  ``scale`` (a power of two
+                   chosen per call from a bound on ``|dKV|``, ``interface.fixed_point_scale``)
+                   keeps every partial sum below ``2^62``; each contribution is rounded by at
+                   most ``0.5 / scale``.
+                 * atomic (``deterministic=False``): fp32 ``atomic_addx4`` (fast, order-dependent
+                   rounding).
+``slot_reduce``  (ordered) ``dKV[b, j] += sum of its slot rows, in sorted order`` (fp32).
+``postprocess``  (fixed point) int64 accumulator -> fp64 -> ``* (1 / scale)`` -> bf16 ``dKV``.
 
-Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, ``deterministic``.
-Dynamic: ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale``
-and the fixed-point scale are runtime values in the two-element tensor ``Scale``.  All kernels
-compile with ``settings.PASS_CONFIGS``.
+Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode.  Dynamic: ``B``,
+``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``, ``G``.  ``sm_scale`` and the
+fixed-point scale are runtime values in the two-element tensor ``Scale``.  All kernels compile
+with ``settings.PASS_CONFIGS``.
 """
 
 from ... import settings
