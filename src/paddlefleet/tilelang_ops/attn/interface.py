@@ -193,6 +193,18 @@ def _sort_slots_by_key(ops, idx, num_groups, s_kv):
     return ops.contiguous(ops.cast(perm, "int32")), ops.contiguous(offsets)
 
 
+def _d_sink(ops, attn_sink, lse2, delta):
+    """``d_sink[h] = -sum_{b,s} P_sink * Delta`` (``[H]`` fp32; zeros without a sink): per-row
+    partials ``P_sink = exp(sink - lse2 ln 2)`` times ``Delta``, then one framework reduction
+    over ``B*S`` rows, whose order is fixed for a given shape (no atomics)."""
+    b, s, h = ops.shape(delta)
+    if attn_sink is None:
+        return ops.zeros((h,), "float32", delta)
+    sink = ops.reshape(ops.cast(attn_sink, "float32"), (1, 1, h))
+    p_sink = ops.exp(sink - lse2 * _LN2)
+    return -ops.sum(ops.reshape(p_sink * delta, (b * s, h)), axis=0)
+
+
 def _ordered_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dims):
     """dq and dKV of the ordered deterministic mode, in chunks of query rows.
 
@@ -423,14 +435,6 @@ def mqa_latent_sparse_bwd(
     zero = ops.zeros((1,), "float32", lse_f)
     lse2 = ops.where(lse2 > _NEG_INF, lse2, zero)
 
-    # d_sink[h] = -sum_{b,s} P_sink * Delta: per-row partials, then one fixed-order reduction.
-    if attn_sink is None:
-        d_sink = ops.zeros((H,), "float32", lse_f)
-    else:
-        sink = ops.reshape(ops.cast(attn_sink, "float32"), (1, 1, H))
-        p_sink = ops.exp(sink - lse2 * _LN2)
-        d_sink = -ops.sum(ops.reshape(p_sink * delta, (B * S, H)), axis=0)
-
     q = _pad_heads(ops, ops.contiguous(query), h_pad)
     do_p = _pad_heads(ops, do_c, h_pad)
     kv_c = ops.contiguous(kv)
@@ -445,15 +449,17 @@ def mqa_latent_sparse_bwd(
         fx = ops.full((1,), 1.0, "float32", q)
     scale = ops.concat([sm, fx], axis=0)
 
-    dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     if ordered:
         dq, dkv = _ordered_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p, scale,
                                dims)
-        return _slice_heads(ops, dq, H), dkv, d_sink
+        return _slice_heads(ops, dq, H), dkv, _d_sink(ops, attn_sink, lse2, delta)
+    dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     acc = ops.zeros((B, dims.S_kv, dims.Dk), "int64" if deterministic else "float32", q)
     provider.bwd_main(plan.heads_per_cta, deterministic, q, kv_c, do_p, idx, lse2_p, delta_p,
                       scale, dq, acc)
+    # queued behind the main kernel: its host time overlaps the kernel
+    d_sink = _d_sink(ops, attn_sink, lse2, delta)
     if deterministic:
         dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
         provider.bwd_postprocess(acc, scale, dkv)
