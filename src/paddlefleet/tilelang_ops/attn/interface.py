@@ -454,7 +454,6 @@ def mqa_latent_sparse_bwd(
                                dims)
         return _slice_heads(ops, dq, H), dkv, _d_sink(ops, attn_sink, lse2, delta)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
-    dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     acc = ops.zeros((B, dims.S_kv, dims.Dk), "int64" if deterministic else "float32", q)
     provider.bwd_main(plan.heads_per_cta, deterministic, q, kv_c, do_p, idx, lse2_p, delta_p,
                       scale, dq, acc)
