@@ -21,7 +21,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     for name in cases:
         # group=None: the world group, which is the tensor-parallel group here (gloo sub-groups
-        # are broken on the CPU wheel; see shared/notes/environment.md).
+        # are broken on the CPU wheel; Paddle 3.3.1).
         result = run_case(name, world)
         np.savez(os.path.join(out_dir, f"{name}_rank{rank}.npz"), **result)
     dist.barrier()

@@ -481,7 +481,7 @@ def run(a: argparse.Namespace) -> int:
         import torch
     except ImportError:
         print("bench_sparse_mqa: PyTorch is not installed; the benchmark drives the kernels "
-              "through PyTorch tensors (see shared/gpu/README.md). --dry-run needs no torch.",
+              "through PyTorch tensors (see README.md, 'GPU validation environment'). --dry-run needs no torch.",
               file=sys.stderr)
         return 2
     if not a.cpu_standin and not torch.cuda.is_available():

@@ -113,7 +113,7 @@ def select_shapes(spec: str | None) -> list[Shape]:
 # FLOPs, bytes, floors
 # --------------------------------------------------------------------------------------------
 
-#: Planning numbers measured on our H200 (shared/gpu/README.md): dense bf16 8192^3 matmul and
+#: Planning numbers measured on our H200 (TileLang 0.1.15 era): dense bf16 8192^3 matmul and
 #: a device-to-device copy.  The benchmark measures the matmul again in every run and uses that.
 H200_MATMUL_TFLOPS = 790.0
 H200_COPY_TBS = 4.3

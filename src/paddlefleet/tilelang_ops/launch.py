@@ -1,7 +1,7 @@
 """Start a script on N local ranks with ``python -m paddle.distributed.launch``, with a timeout.
 
 Used by ``tools/train_step.py --nproc`` and the multi-card tests. A broken gloo rendezvous hangs
-instead of failing (../shared/notes/environment.md), so every run has a hard timeout, and on
+instead of failing (Paddle 3.3.1 CPU wheel), so every run has a hard timeout, and on
 timeout the ranks must really end: Paddle's launcher starts each rank in a process group of its
 own, so killing the launcher's group alone leaves them running. The launcher does stop its ranks
 on SIGTERM, so a timeout sends SIGTERM first and SIGKILL only if it has not exited after a grace

@@ -7,7 +7,8 @@ Why each setting:
     TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE = False
         In TileLang 0.1.9-0.1.10 the aggressive merge shortened the lifetime of the Q tile
         loaded before the key loop and placed another live buffer on top of it, producing NaN
-        dQ/dKV on the first backward (see ../shared/notes/field-notes.md, "Traps").  Turning it
+        dQ/dKV on the first backward (reported by PaddleFleet users;
+        fixed upstream in 0.1.11, but the pass stays off here).  Turning it
         off costs ~2 % (15.6 -> 15.9 ms on the upstream example, H200).
 
 The lowering target is Hopper: :data:`TARGET` names ``sm_90a`` explicitly because a plain

@@ -9,8 +9,8 @@ pair) over ``paddle.distributed`` collectives on a group passed in:
 Why our own and not fleet's ``mp_ops`` / ``ColumnParallelLinear`` / ``RowParallelLinear``:
 Paddle 3.3.1's CPU build has no ``c_identity``/``c_split`` kernels, its gloo process group
 rejects the ``use_calc_stream`` all-reduce those layers issue, and gloo sub-groups
-(``new_group``) are broken there, so fleet's layers cannot run in CPU tests (see
-shared/notes/environment.md section 2).  Plain ``dist.all_reduce`` on the group works on gloo
+(``new_group``) are broken there, so fleet's layers cannot run in CPU tests (measured on the
+Paddle 3.3.1 CPU wheel).  Plain ``dist.all_reduce`` on the group works on gloo
 and NCCL alike.
 
 With a group of one rank (or no distributed environment) every collective is a no-op.
