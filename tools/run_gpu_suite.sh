@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole GPU suite on a fresh CUDA host, in one go (see shared/gpu/README.md):
+# Run the whole GPU suite on a fresh CUDA host, in one go (PyTorch + CUDA; TileLang from the
+# bundle in .gpu/ when it is not installed; see README.md and docs/validation.md):
 #   1. unpack the TileLang bundle (.gpu/tilelang-*.tar.xz) into /tmp/site if tilelang is missing
 #   2. precompile every kernel specialisation in parallel (tools/precompile.py)
 #   3. pytest with PyTorch: tests/single_card_tests + the CPU tests of the host logic and of the

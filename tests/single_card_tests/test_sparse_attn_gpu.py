@@ -7,7 +7,7 @@ runs every kernel on outputs poisoned with NaN and framed by sentinel guard regi
 the deterministic and atomic backward agree within rounding.
 
 Tolerance: bf16 inputs and outputs put the error floor at ~2e-3 (out), ~2.4e-3 (dQ, dKV),
-~1.8e-3 (d_sink) relative L2 (measured on H200, ``../shared/gpu/README.md``); 1e-2 leaves room
+~1.8e-3 (d_sink) relative L2 (measured on H200, docs/validation.md); 1e-2 leaves room
 for longer top-k sums and still fails on any real bug (those give O(1) errors or NaN).
 """
 

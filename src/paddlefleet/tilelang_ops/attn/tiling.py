@@ -2,7 +2,8 @@
 
 Why the head tile matters: every backward CTA scatters ``topk x Dk`` values into ``dKV``
 whatever its number of heads, and that scatter (not the GEMMs) dominates the backward
-(``../shared/notes/field-notes.md``: the backward at H=8 costs as much as at H=64).  So one CTA
+(measured on an H200 with the upstream TileLang example: the backward at H=8 costs about as much as
+at H=64, 14.5 vs 15.6 ms at S=4096, S_kv=8192, topk=2048).  So one CTA
 takes as many heads as it can hold (up to 64) instead of ``block_h``: a head group of 64 heads
 scatters once where four groups of 16 would scatter four times.  ``block_h`` (16 or 32) is the
 granularity of the head padding: the CTA tile is the padded head count rounded up to a power
