@@ -245,33 +245,39 @@ def validate_inputs(
                 f"{_fmt(shapes[name])}"
             )
 
-    # 7. values
+    # 7. values, read back to the host in ONE transfer: every read is a device sync that
+    # exposes the caller's host-side launch time (four separate reads cost the kernels'
+    # wrappers 0.5-1.2 ms per call on the H200; docs/performance.md).
     if check_values:
-        lo = int(ops.to_numpy(ops.amin(token_indices)))
-        hi = int(ops.to_numpy(ops.amax(token_indices)))
+        def _one(t):
+            return ops.reshape(ops.cast(t, "int64"), [1])
+
+        stats = [_one(ops.amin(token_indices)), _one(ops.amax(token_indices))]
+        if attn_sink is not None:
+            stats.append(_one(ops.sum(ops.cast(~(attn_sink < math.inf), "int64"))))  # NaN, +inf
+        if lse is not None:
+            stats.append(_one(ops.sum(ops.cast(lse != lse, "int64"))))  # NaN != NaN
+        vals = [int(v) for v in np.asarray(ops.to_numpy(ops.concat(stats, 0))).tolist()]
+        lo, hi = vals[0], vals[1]
         if lo < -1 or hi >= S_kv:
             raise ValueError(
                 f"token_indices: expected values -1 (empty slot) or in [0, S_kv={S_kv}), "
                 f"got values in [{lo}, {hi}]"
             )
-        if attn_sink is not None:
-            # [H] only: read it back whole to name the bad heads.
+        if attn_sink is not None and vals[2]:
+            # Error path only: read the [H] sink back whole to name the bad heads.
             sink = np.asarray(ops.to_numpy(attn_sink), dtype=np.float64)
             bad = np.flatnonzero(~(sink < math.inf))  # NaN and +inf; -inf passes
-            if bad.size:
-                raise ValueError(
-                    "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
-                    f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
-                    f"{bad.tolist()}"
-                )
-        if lse is not None:
-            # NaN is the only value that is not equal to itself; +-inf rows stay allowed.
-            n_nan = int(ops.to_numpy(ops.sum(ops.cast(lse != lse, "int32"))))
-            if n_nan:
-                raise ValueError(
-                    f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
-                    f"got {n_nan} NaN value(s)"
-                )
+            raise ValueError(
+                "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
+                f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
+                f"{bad.tolist()}"
+            )
+        if lse is not None and vals[-1]:
+            raise ValueError(
+                f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
+                f"got {vals[-1]} NaN value(s)"
+            )
     return Dims(B=B, S=S, H=H, Dk=Dk, Dv=d_v, S_kv=S_kv, L=L)
 
 
