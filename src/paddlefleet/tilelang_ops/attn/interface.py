@@ -219,6 +219,12 @@ def _ordered_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dims):
     g, m = plan.num_groups, plan.heads_per_cta
     l_pad = ops.shape(idx)[-1]
     rows = max(1, min(S, ORDERED_SCRATCH_BYTES // (g * l_pad * Dk * 4)))
+    # The kernels address the scratch with int32 offsets (largest offset = elements - 1).
+    if rows * g * l_pad * Dk > 2**31:
+        raise ValueError(
+            f"token_indices: L={l_pad} (padded) x {g} head group(s) x Dk={Dk} is too wide for the "
+            f"ordered deterministic mode's int32 scratch offsets; use det_method='fixed_point'"
+        )
     scratch = ops.empty((1, rows, g, l_pad, Dk), "float32", q)
     dkv32 = ops.zeros((B, dims.S_kv, Dk), "float32", q)
     whole = B == 1 and rows == S
@@ -378,8 +384,8 @@ def mqa_latent_sparse_bwd(
         sm_scale: positive float.
         block_h: 16, 32 or ``None`` (see :func:`mqa_latent_sparse_fwd`).
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and
-            processes (int64 fixed-point dKV, :func:`fixed_point_scale`); ``False``: fp32
-            atomics for dKV (faster, last-bit differences between calls).
+            processes (dKV summed as ``det_method`` says); ``False``: fp32 atomics for dKV
+            (faster, last-bit differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
         det_method: how ``deterministic=True`` sums dKV (both bitwise repeatable; they round
             differently, each within fp32 accumulation error):
@@ -429,11 +435,12 @@ def mqa_latent_sparse_bwd(
     delta = ops.reshape(delta, (B, S, H))
 
     # Base-2 sink-inclusive lse, finite (a row with no key and no sink has every P = 0: any
-    # finite lse2 gives exp2(-inf - lse2) = 0, so use 0).
+    # finite lse2 gives exp2(-inf - lse2) = 0, so use 0).  Only -inf is replaced: a NaN lse
+    # (possible with check_indices=False) must stay NaN, never turn into a plausible 0.
     lse_f = ops.contiguous(lse)
     lse2 = lse_natural_to_log2_sink(lse_f, attn_sink) if lse_format == "natural" else lse_f
     zero = ops.zeros((1,), "float32", lse_f)
-    lse2 = ops.where(lse2 > _NEG_INF, lse2, zero)
+    lse2 = ops.where(lse2 == _NEG_INF, zero, lse2)
 
     q = _pad_heads(ops, ops.contiguous(query), h_pad)
     do_p = _pad_heads(ops, do_c, h_pad)
