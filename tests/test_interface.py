@@ -2,9 +2,9 @@
 
 The wrappers' own logic (block_h / head plan, head padding and slicing, top-k padding with -1,
 index dtype, the LSE bridge, d_sink, the fixed-point scale, input errors) runs on CPU tensors
-against :class:`CpuStandIn`, a provider whose four launchers implement each kernel's math in
-numpy (fp64; the forward reuses ``reference.py``) and raise when handed a head count other than
-their tile.  Results are compared with the fp32 reference by relative L2 error.  Runs under
+against :class:`CpuStandIn`, a provider whose five launchers (fwd, bwd_preprocess, bwd_main,
+bwd_slot_reduce, bwd_postprocess) implement each kernel's math in numpy (fp64; the forward
+reuses ``reference.py``) and raise when handed a head count other than their tile.  Results are compared with the fp32 reference by relative L2 error.  Runs under
 Paddle (CI) and, where installed, PyTorch.
 """
 
@@ -56,7 +56,8 @@ def _write(dst, arr):
 
 
 class CpuStandIn:
-    """CPU stand-ins of the four kernels (their exact math, in numpy fp64).
+    """CPU stand-ins of the five kernels (fwd, preprocess, main, slot_reduce, postprocess):
+    their exact math, in numpy fp64.
 
     Each launcher checks that it is handed a whole number of head tiles of ``heads_per_cta``
     heads (16, 32 or 64) and processes one tile at a time, as the kernels' CTAs do.
@@ -251,14 +252,91 @@ def test_ordered_chunks_equal_one_pass(fw, monkeypatch):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_deterministic_backward_is_repeatable(fw):
-    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=5)
+@pytest.mark.parametrize("G", [1, 3])
+def test_sort_slots_by_key_is_a_stable_sort(fw, G):
+    """The CSR that fixes the ordered mode's summation order: ``perm`` must be numpy's stable
+    argsort of the keys (slot rows ``((s * G) + g) * L + l``), ``offsets[j]`` the first sorted
+    position of key ``j`` (``-1`` keys first, owned by no key).  Duplicate keys within and
+    across rows, ``-1`` slots, and keys no slot names are all present."""
+    rng = np.random.default_rng(11 + G)
+    B, S, L, S_kv = 2, 5, 9, 7
+    idx = rng.integers(-1, S_kv - 2, (B, S, L)).astype(np.int32)  # keys S_kv-2.. never named
+    idx[0, 0, :4] = 3  # duplicates inside a row
+    idx[1, :, 0] = -1
+    ops = ops_for(_tensor(fw, idx, "int32"))
+    perm, offsets = interface._sort_slots_by_key(ops, _tensor(fw, idx, "int32"), G, S_kv)
+    assert ops.dtype(perm) == ops.dtype(offsets) == "int32"
+    assert ops.shape(perm) == (B, S * G * L) and ops.shape(offsets) == (B, S_kv + 1)
+    keys = np.broadcast_to(idx[:, :, None, :], (B, S, G, L)).reshape(B, S * G * L)
+    want_perm = np.argsort(keys, axis=-1, kind="stable")
+    assert np.array_equal(_np(perm), want_perm)
+    sorted_keys = np.take_along_axis(keys, want_perm, axis=-1)
+    want_off = np.stack([np.searchsorted(sorted_keys[b], np.arange(S_kv + 1), side="left")
+                         for b in range(B)])
+    assert np.array_equal(_np(offsets), want_off)
+    assert (want_off[:, 0] > 0).all() and want_off[0, -1] == want_off[0, -2]  # -1s; unused keys
+
+
+def _empty_row_case(fw, H, sink, seed):
+    """A backward case whose query row 1 has no valid key (forward lse -inf there)."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, H, 64, sink, seed=seed, empty_rows=(1,))
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    a = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
-    b = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
-    for x, y in zip(a, b):
-        assert np.array_equal(_np(x), _np(y))
+    return q, kv, do, sk, idx, out, lse, prov
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+@pytest.mark.parametrize("det", [True, False])
+def test_flashmla_inf_lse_rows_contribute_nothing(fw, sink, det):
+    """FlashMLA marks a row with no valid key by ``lse = +inf``: the backward must give that
+    row zero dq and add nothing to dkv or d_sink (same result as our forward's ``-inf``)."""
+    q, kv, do, sk, idx, out, lse, prov = _empty_row_case(fw, 8, sink, seed=21)
+    lse_np = _np(lse)
+    assert np.isneginf(lse_np[:, 1]).all() and np.isfinite(np.delete(lse_np, 1, axis=1)).all()
+    lse_np[:, 1] = np.inf
+    lse_inf = _tensor(fw, lse_np, "float32")
+    got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse_inf, sk, idx, SM,
+                                          deterministic=det, provider=prov)
+    ref = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM,
+                                          deterministic=det, provider=prov)
+    dq = _np(got[0])
+    assert not dq[:, 1].any() and np.abs(dq).max() > 0
+    for g, r in zip(got, ref):
+        assert np.isfinite(_np(g)).all()
+        assert np.array_equal(_np(g), _np(r))
+    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    assert max(rel_l2(got[0], ref_dq), rel_l2(got[1], ref_dkv)) < 1e-2
+    if sink:
+        assert rel_l2(got[2], ref_ds) < 1e-2
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_nan_lse_is_not_masked(fw):
+    """A NaN lse is an error (check_indices=True names ``lse``) and, unchecked, must show up as
+    NaN in that row's dq instead of being replaced by a plausible finite value."""
+    q, kv, do, sk, idx, out, lse, prov = _empty_row_case(fw, 8, True, seed=22)
+    lse_np = _np(lse)
+    lse_np[0, 2, 3] = np.nan
+    bad = _tensor(fw, lse_np, "float32")
+    with pytest.raises(ValueError, match="lse"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, bad, sk, idx, SM, provider=prov)
+    dq, _, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, bad, sk, idx, SM,
+                                               check_indices=False, provider=prov)
+    dq = _np(dq)
+    assert np.isnan(dq[0, 2, 3]).any()
+    assert np.isfinite(np.delete(dq, 2, axis=1)).all()
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("flag", [1, 0, "yes", None])
+def test_check_indices_must_be_a_bool(fw, flag):
+    q, kv, do, sk, idx, out, lse, prov = _empty_row_case(fw, 8, True, seed=23)
+    with pytest.raises(TypeError, match="check_indices"):
+        interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, check_indices=flag, provider=prov)
+    with pytest.raises(TypeError, match="check_indices"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, check_indices=flag,
+                                        provider=prov)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -15,9 +15,11 @@ import subprocess
 import sys
 
 import numpy as np
-import paddle
 import pytest
-from conftest import REPO_ROOT, rel_l2
+
+paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
+
+from conftest import REPO_ROOT, rel_l2  # noqa: E402
 
 from paddlefleet.tilelang_ops.attn.config import get_preset
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
@@ -166,13 +168,53 @@ def test_errors():
         cpu_tl(paddle.randn([1, 8, cfg.hidden_size]), idx)
 
 
-def test_collectives_are_identities_on_one_rank(rng):
-    assert default_tensor_parallel_group() is None
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_load_full_weights_keeps_the_parameter_dtype(rng, dtype):
+    """Weights load into a layer cast to bf16 (numpy has no bf16: the old code cast through
+    ``param.numpy().dtype``, uint16) or fp64: each parameter keeps its dtype and holds the
+    weight rounded to it."""
+    cfg, full, _, _, _ = _case(rng, heads=8, S=8, topk=4)
+    layer = MQALatentAttention(cfg)
+    layer.to(dtype=dtype)
+    layer.load_full_weights(full)
+    names = [n for n, _ in layer.named_parameters()]
+    assert names and set(names) <= set(full)
+    for name, p in layer.named_parameters():
+        assert p.dtype == getattr(paddle, dtype), name
+        want = paddle.to_tensor(full[name]).astype(dtype).astype("float64").numpy()
+        got = p.astype("float64").numpy()
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        assert np.abs(got - full[name]).max() <= 2.0**-8 * np.abs(full[name]).max(), name
+
+
+def test_collectives_on_one_rank_and_their_pylayers(rng, monkeypatch):
+    """On one rank the wrappers return ``x`` itself.  The PyLayers behind them are run directly
+    with ``all_reduce`` replaced by a stand-in for three identical ranks (sum = 3 x), so each
+    direction shows: CopyToTensorParallel is the identity forward and sums the gradient,
+    ReduceFromTensorParallel sums forward and passes the gradient through."""
+    from paddlefleet.tilelang_ops.attn import tp
+
+    assert default_tensor_parallel_group() is None and tp.group_world_size() == 1
     x = paddle.to_tensor(rng.standard_normal((3, 4)).astype(np.float32), stop_gradient=False)
-    y = reduce_from_tensor_parallel(copy_to_tensor_parallel(x) * 2.0)
-    y.sum().backward()
-    np.testing.assert_array_equal(y.numpy(), x.numpy() * 2.0)
-    np.testing.assert_array_equal(x.grad.numpy(), np.full((3, 4), 2.0, np.float32))
+    assert copy_to_tensor_parallel(x) is x and reduce_from_tensor_parallel(x) is x
+
+    calls = []
+
+    def fake_all_reduce(t, op=None, group=None):
+        calls.append(group)
+        t.scale_(3.0)  # in place, as dist.all_reduce works
+
+    monkeypatch.setattr(tp.dist, "all_reduce", fake_all_reduce)
+    x_np = x.numpy().copy()
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    group = object()
+    y = tp.ReduceFromTensorParallel.apply(tp.CopyToTensorParallel.apply(x, group) * 2.0, group)
+    np.testing.assert_allclose(y.numpy(), 3.0 * 2.0 * x_np, rtol=1e-6)
+    np.testing.assert_array_equal(x.numpy(), x_np)  # out of place: the input is untouched
+    assert calls == [group]  # forward: only the reduce
+    (y * paddle.to_tensor(w)).sum().backward()
+    assert calls == [group, group]  # backward: only the copy
+    np.testing.assert_allclose(x.grad.numpy(), 3.0 * 2.0 * w, rtol=1e-6)
 
 
 def test_training_steps_reduce_a_loss(rng):

@@ -9,6 +9,9 @@ import subprocess
 import sys
 
 import pytest
+
+pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
+
 from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.multicard

@@ -219,7 +219,10 @@ class MQALatentAttention(paddle.nn.Layer):
                     f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
                     f"expects {list(param.shape)}"
                 )
-            param.set_value(np.asarray(value, dtype=np.float32).astype(param.numpy().dtype))
+            # cast in Paddle to the parameter's dtype (numpy has no bf16: param.numpy() is
+            # uint16 there) without reading the parameter back to the host
+            param.set_value(paddle.to_tensor(np.asarray(value, dtype=np.float32))
+                            .astype(param.dtype))
 
     def _check_forward_inputs(self, hidden_states, token_indices) -> None:
         """Errors named after the layer's own arguments, before any projection runs."""
