@@ -2,6 +2,7 @@
 # Run the whole GPU suite on a fresh CUDA host, in one go (PyTorch + CUDA; TileLang from the
 # bundle in .gpu/ when it is not installed; see README.md and docs/validation.md):
 #   1. unpack the TileLang bundle (.gpu/tilelang-*.tar.xz) into /tmp/site if tilelang is missing
+#      (tools/gpu_env.sh, shared with tools/bench/run.sh)
 #   2. precompile every kernel specialisation in parallel (tools/precompile.py)
 #   3. pytest with PyTorch: tests/single_card_tests + the CPU tests of the host logic and of the
 #      kernels' compilation (tests/test_interface.py, tests/test_kernel_compile.py)
@@ -24,16 +25,8 @@ BENCH=1
 [[ "${1:-}" == "--quick" ]] && { QUICK=1; BENCH=0; }
 [[ "${1:-}" == "--no-bench" ]] && BENCH=0
 
-if ! python3 -c "import tilelang" 2>/dev/null; then
-  BUNDLE=$(ls .gpu/tilelang-*.tar.xz 2>/dev/null | head -1)
-  if [[ -n "$BUNDLE" ]]; then
-    [[ -d /tmp/site/tilelang ]] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf "$BUNDLE"; }
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
-fi
-export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$ROOT/.tilelang-cache}
+# shellcheck source=gpu_env.sh
+source tools/gpu_env.sh  # TileLang bundle, PYTHONPATH, TILELANG_CACHE_DIR
 SUITE=$LOG/suite.log
 : > "$SUITE"
 step() { echo "== $* ($(date -u +%T))" | tee -a "$SUITE"; }

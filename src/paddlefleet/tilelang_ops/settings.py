@@ -19,7 +19,6 @@ instructions need the ``a`` variant.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 
 #: Hopper (H100/H200) with the architecture-specific feature set.
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -87,7 +86,3 @@ def import_tilelang():
     _tilelang = tilelang
     return tilelang
 
-
-def cache_dir() -> str:
-    """Where compiled kernels are cached (TileLang's default unless TILELANG_CACHE_DIR is set)."""
-    return os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
