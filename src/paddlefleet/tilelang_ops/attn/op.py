@@ -167,8 +167,17 @@ def sparse_mqa_attention(
         attn_sink: ``[H]`` fp32 per-head sink logits, or ``None``; finite or ``-inf`` (that
             head has no sink), never NaN or ``+inf``.
         backward_backend: ``"tilelang"`` (CUDA kernels), ``"reference"`` (reference in fp32,
-            fp64 for fp64 inputs; any device) or ``None`` (``"tilelang"`` on CUDA, ``"reference"`` on CPU).
+            fp64 for fp64 inputs; any device) or ``None`` (``"tilelang"`` on CUDA,
+            ``"reference"`` on CPU).  It chooses the *backward* only: on CUDA the forward is
+            always the TileLang kernel (see the limit below).
         d_v: value width ``Dv`` (keyword only; 512 = DeepSeek-V3.2's ``kv_lora_rank``).
+
+    CUDA limit: the forward on CUDA tensors always runs the TileLang kernel, which is built for
+    ``(Dk, Dv) = (576, 512)`` only (``tiling.SUPPORTED_DIMS``) and bf16 inputs.  Any other head
+    dims on CUDA (e.g. the ``deepseek_v32_small`` preset, Dk 80 / Dv 64) raise ``ValueError``
+    in the forward *even with* ``backward_backend="reference"``: there is no reference
+    fallback for the CUDA forward.  Run such configs on CPU tensors (reference forward and
+    backward).
 
     Returns:
         ``out``: ``[B, S, H, Dv]`` in ``query``'s dtype.
@@ -177,6 +186,8 @@ def sparse_mqa_attention(
         TypeError / ValueError: bad tensors (``checks.validate_inputs``; on CUDA the value
             checks run in ``interface.mqa_latent_sparse_fwd``), ``sm_scale`` not finite and
             ``> 0``, an unknown ``backward_backend``, or ``"tilelang"`` on CPU tensors.
+            On CUDA also (from the kernel's forward, whatever ``backward_backend``):
+            ``ValueError`` for ``(Dk, Dv) != (576, 512)``, ``TypeError`` for non-bf16 inputs.
 
     Gradients: ``dq`` in ``query``'s dtype, ``dkv`` in ``kv``'s dtype, ``d_sink`` fp32 (zero
     contribution from rows whose weight is all on the sink); see docs/conventions.md.
