@@ -1,7 +1,11 @@
 """TileLang kernels of sparse MQA-latent attention (no framework import; one variant per file):
 
 * ``sparse_fwd.sparse_fwd``: the forward (online softmax over top-k key blocks, sink folded in);
-* ``sparse_bwd.preprocess`` -> ``sparse_bwd.main`` -> ``sparse_bwd.postprocess``: the backward.
+* the backward, in launch order: ``sparse_bwd.preprocess`` (Delta) -> ``sparse_bwd.main``
+  (dQ and dKV) -> ``sparse_bwd.slot_reduce`` (ordered deterministic mode, the default:
+  ``main(..., slot_partials=True)`` writes per-slot dKV rows and this adds them per key in a
+  fixed order) or ``sparse_bwd.postprocess`` (fixed-point mode: int64 -> bf16 dKV); the atomic
+  mode (``deterministic=False``) needs neither.
 
 Host wrappers: ``attn/interface.py``.  Every kernel compiles with ``settings.PASS_CONFIGS``.
 :func:`lower` lowers one specialisation for ``settings.TARGET`` without a GPU (tests, tools).
