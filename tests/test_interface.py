@@ -11,12 +11,14 @@ Paddle (CI) and, where installed, PyTorch.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
+import re
 
 import numpy as np
 import pytest
 
-from conftest import rel_l2
+from conftest import REPO_ROOT, rel_l2
 from paddlefleet.tilelang_ops.attn import interface, tiling
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
@@ -412,3 +414,16 @@ def test_bad_inputs_raise_naming_the_tensor(fw):
                                         provider=prov)
     with pytest.raises(ValueError, match="lse"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse[:, :2], sk, idx, SM, provider=prov)
+
+
+def test_readme_shows_the_wrappers_signatures():
+    """README's "The kernels in one paragraph" quotes both signatures; they must not drift."""
+    text = " ".join((REPO_ROOT / "README.md").read_text().split())
+    for fn in (interface.mqa_latent_sparse_fwd, interface.mqa_latent_sparse_bwd):
+        params = []
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and "*" not in params:
+                params.append("*")
+            params.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+        want = f"{fn.__name__}({', '.join(params)})".replace("'", '"')
+        assert want in re.sub(r"\( ", "(", text), want
