@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
+
 from paddlefleet.tilelang_ops.launch import launch_ranks
 
 pytestmark = pytest.mark.multicard
@@ -72,3 +74,32 @@ def test_exit_status_is_the_launchers(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch_ranks("x.py", kwargs["nproc"], timeout=kwargs["timeout"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_stop_ends_a_launcher_that_ignores_sigterm():
+    """The SIGKILL fallback: a 'launcher' that ignores SIGTERM, with a child in a session of its
+    own (as Paddle starts its ranks) that ignores it too; both must be gone afterwards."""
+    import subprocess
+
+    from paddlefleet.tilelang_ops import launch
+
+    marker = f"{3000 + os.getpid() % 1000}"  # unique sleep length to find the children by
+
+    def sleepers():
+        return [p for p in _processes_running(f"sleep {marker}") if p[1].startswith("sleep")]
+
+    proc = subprocess.Popen(
+        ["bash", "-c", f"trap '' TERM; setsid sleep {marker} & sleep {marker}; wait"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 10
+    while len(sleepers()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(sleepers()) == 2
+    launch._stop(proc, grace=1.0)
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 10
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sleepers() == []

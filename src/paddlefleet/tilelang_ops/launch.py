@@ -4,8 +4,8 @@ Used by ``tools/train_step.py --nproc`` and the multi-card tests. A broken gloo 
 instead of failing (Paddle 3.3.1 CPU wheel), so every run has a hard timeout, and on
 timeout the ranks must really end: Paddle's launcher starts each rank in a process group of its
 own, so killing the launcher's group alone leaves them running. The launcher does stop its ranks
-on SIGTERM, so a timeout sends SIGTERM first and SIGKILL only if it has not exited after a grace
-period.
+on SIGTERM, so a timeout sends SIGTERM first; if it has not exited after a grace period, the
+launcher's group and every rank found under it beforehand get SIGKILL.
 """
 
 from __future__ import annotations
@@ -78,10 +78,49 @@ def launch_ranks(script: str, nproc: int, args=(), *, timeout: float, devices=No
         return LaunchResult(proc.returncode, False, out, log_dir)
     except subprocess.TimeoutExpired:
         pass
+    return LaunchResult(124, True, _stop(proc, grace), log_dir)
+
+
+def _stop(proc: subprocess.Popen, grace: float):
+    """End ``proc`` (a session leader) and everything it started; returns its remaining output."""
+    ranks = _descendants(proc.pid)  # before the launcher can exit and orphan them
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its ranks on SIGTERM
     try:
         out, _ = proc.communicate(timeout=grace)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        # A launcher that ignored SIGTERM leaves its ranks (own sessions, maybe holding the
+        # output pipe open): end them directly before reading the rest of the output.
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         out, _ = proc.communicate()
-    return LaunchResult(124, True, out, log_dir)
+    return out
+
+
+def _descendants(root: int) -> list:
+    """Pids of every live descendant of ``root`` (from /proc; empty where there is none)."""
+    children: dict = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its last ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
