@@ -96,9 +96,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
     Schedule knobs (static; defaults measured on H200 at B=1 S=4096 S_kv=8192 H=64 topk=2048,
     see docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async)
     right after the last GEMM that reads the current one, so it overlaps the dKV GEMMs and the
-    scatter (det 33.5 -> 30.5 ms); ``scatter_early`` (default: the atomic path only) runs dQ's
-    two GEMMs after the dKV scatter (atomic 19.1 -> 15.6 ms with ``num_stages=1``; the int64
-    path was slower that way, 32.0 ms).
+    scatter (det 33.5 -> 30.5 ms); ``scatter_early`` (default: the atomic and the ordered
+    paths, not the int64 one) runs dQ's two GEMMs after the dKV scatter or stores (atomic
+    19.1 -> 15.6 ms with ``num_stages=1``; the int64 path was slower that way, 32.0 ms).
 
     ``slot_partials=True`` (ordered deterministic mode) replaces the scatter by plain coalesced
     stores of each block's dKV rows into ``dKV_acc [B, S, G, L, Dk] fp32`` (one row per query
