@@ -40,37 +40,26 @@ from paddlefleet.tilelang_ops.launch import launch_ranks  # noqa: E402  (needs S
 _IN_LAUNCHED_RANK = "PADDLE_TRAINER_ID" in os.environ and "PADDLE_TRAINERS_NUM" in os.environ
 
 
-def _positive_int(text: str) -> int:
-    """argparse ``type=``: an int >= 1 (0 is an error, never "use the default")."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
+def _arg_type(convert, ok, expected: str):
+    """An argparse ``type=`` that converts with ``convert`` and accepts values where ``ok`` holds
+    (0 is an error where it is not accepted, never "use the default")."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    """argparse ``type=``: an int >= 0 (numpy seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse ``type=``: a finite float > 0 (rejects nan, inf, 0 and negatives)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
-    return value
+_positive_int = _arg_type(int, lambda v: v >= 1, "an int >= 1")
+_non_negative_int = _arg_type(int, lambda v: v >= 0, "an int >= 0")  # numpy seeds
+# finite and > 0: rejects nan, inf, 0 and negatives
+_positive_float = _arg_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def _parse(argv=None):
