@@ -1,10 +1,10 @@
 """CPU tests of the host wrappers in ``attn/interface.py`` (no GPU, no TileLang needed).
 
 The wrappers' own logic (block_h / head plan, head padding and slicing, top-k padding with -1,
-index dtype, the LSE bridge, d_sink, the fixed-point scale, input errors) runs on CPU tensors
-against :class:`CpuStandIn`, a provider whose five launchers (fwd, bwd_preprocess, bwd_main,
-bwd_slot_reduce, bwd_postprocess) implement each kernel's math in numpy (fp64; the forward
-reuses ``reference.py``) and raise when handed a head count other than their tile.  Results are compared with the fp32 reference by relative L2 error.  Runs under
+index dtype, the LSE bridge, d_sink, the exact dKV grids and their re-run, input errors) runs on
+CPU tensors against :class:`CpuStandIn`, a provider whose three launchers (fwd, bwd_preprocess,
+bwd_main) implement each kernel's math in numpy (fp64 products; the forward reuses
+``reference.py``) and raise when handed a head count other than their tile.  Results are compared with the fp32 reference by relative L2 error.  Runs under
 Paddle (CI) and, where installed, PyTorch.
 """
 
@@ -58,17 +58,20 @@ def _write(dst, arr):
 
 
 class CpuStandIn:
-    """CPU stand-ins of the five kernels (fwd, preprocess, main, slot_reduce, postprocess):
-    their exact math, in numpy fp64.
+    """CPU stand-ins of the three kernels (fwd, preprocess, main): their math, in numpy.
 
     Each launcher checks that it is handed a whole number of head tiles of ``heads_per_cta``
-    heads (16, 32 or 64) and processes one tile at a time, as the kernels' CTAs do.
+    heads (16, 32 or 64) and processes one tile at a time, as the kernels' CTAs do.  ``main``
+    in exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into
+    ``bound`` as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call,
+    the largest bound a re-run key reached in that call alone.
     """
 
     device = "cpu"
 
     def __init__(self):
         self.calls = []
+        self.rerun_bounds = []
 
     @staticmethod
     def _groups(m, h_pad):
@@ -94,17 +97,21 @@ class CpuStandIn:
         self.calls.append(("pre",))
         _write(delta, (_np(out2d).astype(np.float64) * _np(do2d)).sum(-1))
 
-    def bwd_main(self, m, det, q, kv, do, idx, lse2, delta, scale, dq, acc, slot_partials=False):
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
+                 dq, acc, bound, bound_exp):
         Q, KV, DO, I = _np(q).astype(np.float64), _np(kv).astype(np.float64), _np(do), _np(idx)
         LSE2, DEL, ACC = _np(lse2), _np(delta), _np(acc)
-        sm, fx = (float(v) for v in _np(scale))
+        sm = float(_np(scale)[0])
         B, S, h_pad, _ = Q.shape
         dv = DO.shape[-1]
-        self.calls.append(("main", m, h_pad, I.shape[-1], det) + (("slots",) if slot_partials
-                                                                 else ()))
-        if slot_partials:
-            assert ACC.shape == (B, S, h_pad // m, I.shape[-1], Q.shape[-1])
+        self.calls.append(("main", m, h_pad, I.shape[-1], mode, with_dq))
+        assert mode in ("atomic", "exact") and (with_dq or mode == "exact")
         valid = I >= 0
+        if not with_dq:  # only the first counts[b, s] slots of each row
+            valid &= np.arange(I.shape[-1]) < _np(counts)[:, :, None]
+        if mode == "exact":
+            INV, BOUND, BEXP = _np(inv_grid).astype(np.float64), _np(bound), _np(bound_exp)
+            before = BOUND.copy()
         safe = np.where(valid, I, 0)
         K = np.stack([KV[b][safe[b]] for b in range(B)])  # [B, S, L, Dk]
         dQ = np.zeros_like(Q)
@@ -117,31 +124,28 @@ class CpuStandIn:
             dQ[:, :, sl] = np.einsum("bshl,bsld->bshd", dS, K)
             contrib = np.einsum("bshl,bshd->bsld", dS, Q[:, :, sl])
             contrib[..., :dv] += np.einsum("bshl,bshd->bsld", P, DO[:, :, sl])
-            if slot_partials:
-                ACC[:, :, sl.start // m] = contrib
-                continue
             for b in range(B):
                 rows, c = I[b][valid[b]], contrib[b][valid[b]]
-                if det:
-                    np.add.at(ACC[b], rows, np.rint(c * fx).astype(np.int64))
+                if mode == "exact":
+                    k = np.rint(c * INV[b][rows][:, None])
+                    np.add.at(ACC[b], rows, k.astype(np.float32))
+                    u = np.abs(k).max(-1)
+                    np.add.at(BOUND[b], rows, np.minimum(u, 2.0**40).astype(np.int64))
+                    e = np.ceil(np.log2(np.maximum(np.minimum(u, 2.0**100), 1.0))) + 1
+                    np.maximum.at(BEXP[b], rows, e.astype(np.int32))
                 else:
                     np.add.at(ACC[b], rows, c.astype(np.float32))
-        _write(dq, dQ)
+        if with_dq:
+            _write(dq, dQ)
         _write(acc, ACC)
-
-    def bwd_slot_reduce(self, parts, perm, offsets, dkv):
-        self.calls.append(("reduce",))
-        P, PERM, OFF = _np(parts), _np(perm), _np(offsets)
-        out = _np(dkv).astype(np.float32)
-        for b in range(P.shape[0]):
-            for j in range(out.shape[1]):
-                for e in range(OFF[b, j], OFF[b, j + 1]):
-                    out[b, j] += P[b, PERM[b, e]]  # fp32, in order, like the kernel
-        _write(dkv, out)
-
-    def bwd_postprocess(self, acc, scale, dkv):
-        self.calls.append(("post",))
-        _write(dkv, _np(acc).astype(np.float64) / float(_np(scale)[1]))
+        if mode == "exact":
+            _write(bound, BOUND)
+            _write(bound_exp, BEXP)
+            if not with_dq:
+                rerun = np.zeros(BOUND.shape, bool)
+                for b in range(B):
+                    rerun[b, I[b][valid[b]]] = True
+                self.rerun_bounds.append(int((BOUND - before)[rerun].max(initial=0)))
 
 
 def _case(fw, B, S, S_kv, H, L, sink, seed, index_dtype="int32", empty_rows=()):
@@ -204,11 +208,10 @@ def test_fwd_through_stand_in_matches_reference(fw, H, L, sink, block_h, index_d
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("det, method", [(True, "fixed_point"), (True, "ordered"),
-                                         (False, "fixed_point")])
+@pytest.mark.parametrize("det", [True, False])
 @pytest.mark.parametrize("H, sink, lse_format", [(3, True, "natural"), (40, False, "natural"),
                                                  (100, True, "log2_sink")])
-def test_bwd_through_stand_in_matches_reference(fw, det, method, H, sink, lse_format):
+def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     q, kv, do, sk, idx = _case(fw, 2, 5, 70, H, 100, sink, seed=H + 1, empty_rows=(0,))
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
@@ -216,7 +219,7 @@ def test_bwd_through_stand_in_matches_reference(fw, det, method, H, sink, lse_fo
         lse = lse_natural_to_log2_sink(lse, sk)
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM,
                                                   deterministic=det, lse_format=lse_format,
-                                                  det_method=method, provider=prov)
+                                                  provider=prov)
     ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
     errs = (rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv))
     assert max(errs) < 1e-2, errs
@@ -229,54 +232,42 @@ def test_bwd_through_stand_in_matches_reference(fw, det, method, H, sink, lse_fo
     else:
         assert not _np(ds).any()
     plan = tiling.head_plan(H)
-    names = [c[0] for c in prov.calls]
-    if method == "ordered":
-        assert names == ["fwd", "pre"] + ["main", "reduce"] * 2  # one call per batch element
-        assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det, "slots")
+    head = ("main", plan.heads_per_cta, plan.padded_heads, 128)
+    if det:  # the first pass, then the re-run of the keys that exceeded their bound
+        assert prov.calls[2:] == [head + ("exact", True), head + ("exact", False)]
     else:
-        assert names == ["fwd", "pre", "main"] + (["post"] if det else [])
-        assert prov.calls[2] == ("main", plan.heads_per_cta, plan.padded_heads, 128, det)
+        assert prov.calls[2:] == [head + ("atomic", True)]
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_ordered_chunks_equal_one_pass(fw, monkeypatch):
-    q, kv, do, sk, idx = _case(fw, 2, 7, 64, 72, 100, True, seed=8)
+@pytest.mark.parametrize("margin", [-40, -10, 6])
+def test_exact_dkv_reruns_keys_over_their_bound(fw, margin, monkeypatch):
+    """A first-pass grid far too fine makes keys exceed 2^24 grid units: they must be cleared
+    and re-run on a grid whose bound holds (<= 2^24).  At -30 bits every u is clamped (2^40)
+    and the re-run grid comes from BoundExp; over the estimate's own grid nothing
+    needs a re-run with 6 bits of head-room.  Either way dkv matches the reference."""
+    q, kv, do, sk, idx = _case(fw, 1, 6, 64, 16, 64, True, seed=31, empty_rows=(2,))
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    one = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
-    # 3 query rows per chunk (two head groups, 128 slots): 3 chunks per batch element
-    monkeypatch.setattr(interface, "ORDERED_SCRATCH_BYTES", 3 * 2 * 128 * DK * 4)
-    prov.calls.clear()
-    chunked = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
-    assert [c[0] for c in prov.calls].count("reduce") == 6
-    for a, b in zip(one, chunked):
-        assert np.array_equal(_np(a), _np(b))
+    ref_dq, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+    dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    (rerun_max,) = prov.rerun_bounds
+    if margin < 0:
+        assert 2**20 < rerun_max <= 2**24
+    else:
+        assert rerun_max == 0
+    assert rel_l2(dq, ref_dq) < 1e-2 and rel_l2(dkv, ref_dkv) < 1e-2
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("G", [1, 3])
-def test_sort_slots_by_key_is_a_stable_sort(fw, G):
-    """The CSR that fixes the ordered mode's summation order: ``perm`` must be numpy's stable
-    argsort of the keys (slot rows ``((s * G) + g) * L + l``), ``offsets[j]`` the first sorted
-    position of key ``j`` (``-1`` keys first, owned by no key).  Duplicate keys within and
-    across rows, ``-1`` slots, and keys no slot names are all present."""
-    rng = np.random.default_rng(11 + G)
-    B, S, L, S_kv = 2, 5, 9, 7
-    idx = rng.integers(-1, S_kv - 2, (B, S, L)).astype(np.int32)  # keys S_kv-2.. never named
-    idx[0, 0, :4] = 3  # duplicates inside a row
-    idx[1, :, 0] = -1
-    ops = ops_for(_tensor(fw, idx, "int32"))
-    perm, offsets = interface._sort_slots_by_key(ops, _tensor(fw, idx, "int32"), G, S_kv)
-    assert ops.dtype(perm) == ops.dtype(offsets) == "int32"
-    assert ops.shape(perm) == (B, S * G * L) and ops.shape(offsets) == (B, S_kv + 1)
-    keys = np.broadcast_to(idx[:, :, None, :], (B, S, G, L)).reshape(B, S * G * L)
-    want_perm = np.argsort(keys, axis=-1, kind="stable")
-    assert np.array_equal(_np(perm), want_perm)
-    sorted_keys = np.take_along_axis(keys, want_perm, axis=-1)
-    want_off = np.stack([np.searchsorted(sorted_keys[b], np.arange(S_kv + 1), side="left")
-                         for b in range(B)])
-    assert np.array_equal(_np(offsets), want_off)
-    assert (want_off[:, 0] > 0).all() and want_off[0, -1] == want_off[0, -2]  # -1s; unused keys
+def test_exact_dkv_refuses_more_rows_than_it_can_prove(fw, monkeypatch):
+    q, kv, do, sk, idx = _case(fw, 1, 6, 64, 16, 64, True, seed=32)
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    monkeypatch.setattr(interface, "EXACT_BITS", 3)  # 2^2 = 4 < 6 rows per key
+    with pytest.raises(ValueError, match="rows may add to one key"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
 
 
 def _empty_row_case(fw, H, sink, seed):
@@ -356,25 +347,6 @@ def test_non_contiguous_inputs(fw):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_fixed_point_scale_bounds_dkv(fw):
-    q, kv, do, sk, idx = _case(fw, 1, 8, 64, 16, 64, True, seed=2)
-    ops = ops_for(q)
-    prov = CpuStandIn()
-    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    delta = _tensor(fw, (_np(out).astype(np.float64) * _np(do)).sum(-1).astype(np.float32),
-                    "float32")
-    scale = float(_np(interface.fixed_point_scale(ops, q, kv, do, delta, SM, 8 * 16))[0])
-    mant, exp = math.frexp(scale)
-    assert mant == 0.5 and -100 <= exp - 1 <= 100
-    _, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk, dtype="float64")
-    assert np.abs(_np(ref_dkv)).max() * scale < 2.0**62
-    # doubling the queries raises the bound: the scale can only shrink
-    q2 = ops.cast(ops.cast(q, "float32") * 2.0, "bfloat16")
-    scale2 = float(_np(interface.fixed_point_scale(ops, q2, kv, do, delta, SM, 8 * 16))[0])
-    assert scale2 <= scale
-
-
-@pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_bad_inputs_raise_naming_the_tensor(fw):
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=3)
     prov = CpuStandIn()
@@ -402,9 +374,6 @@ def test_bad_inputs_raise_naming_the_tensor(fw):
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     with pytest.raises(ValueError, match="lse_format"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, lse_format="log2",
-                                        provider=prov)
-    with pytest.raises(ValueError, match="det_method"):
-        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, det_method="sorted",
                                         provider=prov)
     with pytest.raises(TypeError, match="deterministic"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=1,

@@ -2,10 +2,11 @@
 ``settings.TARGET`` (sm_90a) with the shared settings, what is compiled has the aggressive
 shared-memory merge off, and, where ``nvcc`` exists, the lowered CUDA compiles to a cubin.
 
-Lowering costs 3-6 s per kernel on 2 cores, so only a handful of specialisations are built:
-the 64-head forward (the reference shape), the 64-head backward main kernel in the default
-ordered deterministic mode (``slot_partials=True``) and in the fixed-point mode, the 16-head
-atomic backward (the other key block), the preprocess, the postprocess and the slot reduction.
+Lowering costs 10-60 s per kernel on 2 cores, so only a handful of specialisations are built
+(the names and arguments come from ``attn.kernels.specs``, the registry every launcher uses):
+the 64-head forward (the reference shape), the 64-head backward main kernel in the
+deterministic exact mode (first pass with dQ, and the re-run without), the 16-head atomic
+backward (the other key block) and the preprocess.
 Runs under tilelang-paddle 0.1.13 (CI) and mainline TileLang 0.1.15; skipped when TileLang is
 not installed.
 """
@@ -33,12 +34,6 @@ SMEM_LIMIT = 232448  # bytes of dynamic shared memory per block on H100/H200
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "src/paddlefleet/tilelang_ops/attn/kernels"
 
 
-def _kernels():
-    from paddlefleet.tilelang_ops.attn.kernels import sparse_bwd, sparse_fwd
-
-    return sparse_fwd, sparse_bwd
-
-
 _CACHE = {}
 
 
@@ -47,12 +42,7 @@ def _lower(name, args, pass_configs=None):
     if key not in _CACHE:
         from paddlefleet.tilelang_ops.attn.kernels import lower
 
-        fwd, bwd = _kernels()
-        jit = {"fwd": fwd.sparse_fwd, "pre": bwd.preprocess, "main": bwd.main,
-               "main_slots": bwd.main, "post": bwd.postprocess, "reduce": bwd.slot_reduce}[name]
-        # "main_slots": the ordered deterministic mode (interface.TileLangKernels' default)
-        kwargs = {"slot_partials": True} if name == "main_slots" else None
-        _CACHE[key] = lower(jit, args, pass_configs, kwargs)
+        _CACHE[key] = lower(name, args, pass_configs)
     return _CACHE[key]
 
 
@@ -68,15 +58,21 @@ def _layout(art):
     return dict((n, int(o)) for n, o in re.findall(pat, art.kernel_source))
 
 
-SPECS = [
-    ("fwd", (64, 576, 512)),
-    ("main", (64, 576, 512, True, 32)),
-    ("main_slots", (64, 576, 512, True, 32)),
-    ("main", (16, 576, 512, False, 64)),
-    ("pre", (512,)),
-    ("post", (576,)),
-    ("reduce", (576,)),
-]
+def _specs():
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    want = [("fwd", 64), ("bwd_main", (64, "exact", True)), ("bwd_main", (64, "exact", False)),
+            ("bwd_main", (16, "atomic", True)), ("bwd_pre", None)]
+    def tag(name, args):
+        return (name, args[0] if name == "fwd" else (args[0], args[3], args[4])
+                if name == "bwd_main" else None)
+
+    by_tag = {tag(n, a): (n, a) for n, a in kernels.specs()}
+    return [by_tag[w] for w in want]  # in this order: the first three go through nvcc
+
+
+SPECS = _specs() if settings.tilelang_flavour() is not None else []
+MAIN64 = ("bwd_main", (64, 576, 512, "exact", True, 32))
 
 
 def test_settings_keep_the_merge_off():
@@ -85,8 +81,9 @@ def test_settings_keep_the_merge_off():
 
 
 def test_every_kernel_takes_the_shared_pass_configs():
-    fwd, bwd = _kernels()
-    jits = (fwd.sparse_fwd, bwd.preprocess, bwd.main, bwd.postprocess, bwd.slot_reduce)
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    jits = tuple(kernels.builders().values())
     for jit in jits:
         assert jit.pass_configs is settings.PASS_CONFIGS
     # no kernel file carries its own copy of a pass config
@@ -99,29 +96,31 @@ def test_every_kernel_takes_the_shared_pass_configs():
     assert all(d == "pass_configs=settings.PASS_CONFIGS" for d in decorators), decorators
 
 
-@pytest.mark.parametrize("name, args", SPECS, ids=[f"{n}{a[:1]}" for n, a in SPECS])
+@pytest.mark.parametrize("name, args", SPECS,
+                         ids=["_".join(map(str, (n,) + a[:1] + a[3:5])) for n, a in SPECS])
 def test_kernel_lowers_for_sm90a(name, args):
     art = _lower(name, args)
     src = art.kernel_source
     assert "__global__" in src
     assert _smem(art) <= SMEM_LIMIT
-    if name in ("fwd", "main", "main_slots") and args[0] == 64:
+    if name in ("fwd", "bwd_main") and args[0] == 64:
         assert "wgmma" in src, "the 64-head kernels should use Hopper wgmma"
-    if name == "main_slots":
-        # plain stores of per-slot rows: no atomics at all (that is the point of the mode)
-        assert "atomic" not in src.lower(), "slot_partials=True should not scatter atomically"
-    elif name == "main":
-        assert "atomic" in src.lower(), "the fixed-point/atomic dKV scatter is missing"
+    if name == "bwd_main":
+        assert "AtomicAddx4" in src, "the vectorised dKV scatter is missing"
+        exact = args[3] == "exact"
+        # the exact mode rounds onto the key's grid and proves its bound with int64 adds
+        assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact
+        assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
 
 
 def test_compiled_kernel_has_the_merge_off():
     """The build with the shared settings differs from one with the merge forced on, and is the
     build TileLang makes from the kernel's own pass configs: flipping the setting in
     settings.py changes (and fails) this test."""
-    args = (64, 576, 512, True, 32)
-    default = _lower("main", args)
-    explicit_off = _lower("main", args, settings.pass_configs(**{MERGE: False}))
-    forced_on = _lower("main", args, settings.pass_configs(**{MERGE: True}))
+    name, args = MAIN64
+    default = _lower(name, args)
+    explicit_off = _lower(name, args, settings.pass_configs(**{MERGE: False}))
+    forced_on = _lower(name, args, settings.pass_configs(**{MERGE: True}))
     assert _layout(default) == _layout(explicit_off)
     assert _layout(default) != _layout(forced_on), (
         "the shared-memory layout does not depend on the merge setting: is it still applied?"
@@ -135,7 +134,7 @@ def test_compiled_kernel_has_the_merge_off():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name, args", SPECS[:3], ids=["fwd64", "main64_det", "main64_slots"])
+@pytest.mark.parametrize("name, args", SPECS[:3], ids=["fwd64", "main64_exact", "main64_rerun"])
 def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     import tilelang
 

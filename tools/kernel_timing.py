@@ -4,9 +4,11 @@
     python tools/kernel_timing.py --heads 8 128 --topk 640
 
 Prints, per head count, the median time (CUDA events, several repeats) of the forward, the
-deterministic backward (ordered, and fixed point) and the atomic backward, each through its host wrapper (padding and
+deterministic backward and the atomic backward, each through its host wrapper (padding and
 preprocess included), with TFLOP/s from the usual FLOP counts
-(fwd ``2*B*S*H*topk*(Dk+Dv)``, bwd ``2*B*S*H*topk*(2*Dv+3*Dk)``).  Needs PyTorch with CUDA.
+(fwd ``2*B*S*H*topk*(Dk+Dv)``, bwd ``2*B*S*H*topk*(2*Dv+3*Dk)``), then the deterministic
+backward's exact-dKV statistics: how many keys the re-run took, and the head-room
+``log2(2^24 / Bound_j)`` the first pass left (quantiles over keys).  Needs PyTorch with CUDA.
 The benchmark suite proper (CSV, plots, baselines) lives in tools/bench/.
 """
 
@@ -70,20 +72,43 @@ def main(argv=None):
         fwd = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink,  # noqa: E731
                                                       check_indices=False)
 
-        def bwd(det, method="ordered"):
+        def bwd(det):
             return lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
                                                            deterministic=det,
-                                                           det_method=method,
                                                            check_indices=False)
 
         f_flop = 2.0 * B * S * H * L * (DK + DV)
         b_flop = 2.0 * B * S * H * L * (2 * DV + 3 * DK)
         for name, fn, flop in (("fwd", fwd, f_flop), ("bwd_det", bwd(True), b_flop),
-                               ("bwd_det_fixed", bwd(True, "fixed_point"), b_flop),
                                ("bwd_atomic", bwd(False), b_flop)):
             med, lo, hi = _time(fn, reps=ns.reps)
             print(f"H={H:4d} {name:13s} {med:8.3f} ms (min {lo:.3f}, max {hi:.3f})  "
                   f"{flop / med / 1e9:7.1f} TFLOP/s", flush=True)
+        _exact_stats(interface, q, kv, out, do, lse, sink, idx, sm, H)
+
+
+def _exact_stats(interface, q, kv, out, do, lse, sink, idx, sm, H):
+    """Re-run count and first-pass head-room of the deterministic backward's exact dKV."""
+    import torch
+
+    seen = []
+
+    class Recorder(interface.TileLangKernels):
+        def bwd_main(self, m, mode, with_dq, *args):
+            super().bwd_main(m, mode, with_dq, *args)
+            bound, counts = args[-2], args[-5]
+            seen.append((with_dq, bound.clone(), counts.clone()))
+
+    interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm, check_indices=False,
+                                    provider=Recorder())
+    (_, bound, _), (_, _, counts) = seen
+    used = bound[bound > 0].double()
+    room = (2.0**24 / used).log2()
+    qs = torch.quantile(room.float(), torch.tensor([0.0, 0.01, 0.5, 0.99, 1.0],
+                                                   device=room.device)).tolist()
+    print(f"H={H:4d} exact dKV: {int((used > 2**24).sum())} of {used.numel()} keys re-run "
+          f"({int(counts.sum())} slots); head-room bits min/p1/p50/p99/max "
+          + "/".join(f"{v:.1f}" for v in qs), flush=True)
 
 
 if __name__ == "__main__":

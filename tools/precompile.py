@@ -8,11 +8,11 @@ pytest would take minutes.  This tool builds them in a process pool that shares
     python tools/precompile.py --lower-only     # lower for sm_90a only (any CPU machine)
     python tools/precompile.py --heads 64 --jobs 4
 
-Specialisations: the forward and the three backward flavours (deterministic fixed point,
-deterministic ordered slot partials, atomic) for every head tile in ``--heads`` (default
-16 32 64, all the tiles ``tiling.head_plan`` can give), plus the backward preprocess,
-postprocess and slot reduction.  Prints one line per kernel and a summary; exits 1 if
-any failed.
+Specialisations: ``paddlefleet.tilelang_ops.attn.kernels.specs`` (the forward, the backward
+preprocess, and the main backward in its three flavours: exact with dQ, exact re-run without
+dQ, atomic) for every head tile in ``--heads`` (default 16 32 64, all the tiles
+``tiling.head_plan`` can give).  Prints one line per kernel and a summary; exits 1 if any
+failed.
 """
 
 from __future__ import annotations
@@ -28,44 +28,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("TILELANG_CACHE_DIR", str(ROOT / ".tilelang-cache"))
 
-D_QK, D_V = 576, 512
 
 
 def kernel_specs(heads=(16, 32, 64)):
-    """``(name, args)`` of every specialisation; ``args`` as the kernel builders take them."""
-    from paddlefleet.tilelang_ops.attn import tiling
+    """``(name, args)`` of every specialisation (``attn.kernels.specs``)."""
+    from paddlefleet.tilelang_ops.attn import kernels
 
-    specs = [("bwd_preprocess", (D_V,)), ("bwd_postprocess", (D_QK,)),
-             ("bwd_slot_reduce", (D_QK,))]
-    for m in heads:
-        specs.append(("fwd", (m, D_QK, D_V)))
-        for det in (True, False):
-            specs.append(("bwd_main", (m, D_QK, D_V, det, tiling.bwd_key_block(m))))
-        specs.append(("bwd_main_slots", (m, D_QK, D_V, True, tiling.bwd_key_block(m))))
-    return specs
-
-
-def _builder(name):
-    if name == "fwd":
-        from paddlefleet.tilelang_ops.attn.kernels.sparse_fwd import sparse_fwd
-
-        return sparse_fwd
-    from paddlefleet.tilelang_ops.attn.kernels import sparse_bwd
-
-    if name == "bwd_main_slots":
-        return lambda *a: sparse_bwd.main(*a, slot_partials=True)
-    return {"bwd_preprocess": sparse_bwd.preprocess, "bwd_main": sparse_bwd.main,
-            "bwd_postprocess": sparse_bwd.postprocess, "bwd_slot_reduce": sparse_bwd.slot_reduce}[name]
+    return kernels.specs(tuple(heads))
 
 
 def lower(name, args, pass_configs=None):
     """Lower one specialisation for ``settings.TARGET`` (no GPU needed)."""
-    from paddlefleet.tilelang_ops.attn.kernels import lower as lower_kernel
-    from paddlefleet.tilelang_ops.attn.kernels import sparse_bwd
+    from paddlefleet.tilelang_ops.attn import kernels
 
-    if name == "bwd_main_slots":
-        return lower_kernel(sparse_bwd.main, args, pass_configs, {"slot_partials": True})
-    return lower_kernel(_builder(name), args, pass_configs)
+    return kernels.lower(name, args, pass_configs)
 
 
 def _build_one(name, args, lower_only):
@@ -74,7 +50,9 @@ def _build_one(name, args, lower_only):
         if lower_only:
             lower(name, args)
         else:
-            _builder(name)(*args)  # compiles and stores in TILELANG_CACHE_DIR
+            from paddlefleet.tilelang_ops.attn import kernels
+
+            kernels.build(name, args)  # compiles and stores in TILELANG_CACHE_DIR
         return name, args, time.time() - t0, None
     except Exception as exc:  # report every failure, keep building the others
         return name, args, time.time() - t0, f"{type(exc).__name__}: {exc}"[-2000:]

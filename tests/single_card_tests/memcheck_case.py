@@ -1,6 +1,7 @@
 """One small case for ``compute-sanitizer --tool memcheck`` (run by tools/run_gpu_suite.sh):
 H=8 (head tile 16, so pad heads), top-k 100 (padded to 128 with -1), early rows with few keys
-and whole -1 rows, with a sink; forward, deterministic and atomic backward.  Any out-of-bounds
+and whole -1 rows, with a sink; forward, deterministic (also with the exact dKV's re-run
+forced) and atomic backward.  Any out-of-bounds
 access in a kernel is reported by the sanitizer; the script itself only checks for NaN."""
 
 import sys
@@ -26,5 +27,8 @@ for det in (True, False):
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5,
                                                   deterministic=det)
     assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
+interface.GRID_MARGIN_BITS = -20  # every key re-runs: the with_dq=False kernel runs too
+dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5)
+assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
 torch.cuda.synchronize()
 print("memcheck case done")

@@ -76,6 +76,18 @@ class TensorOps:
     def expm1(self, t): ...
     def where(self, cond, a, b): ...
     def einsum(self, eq: str, *ts): ...
+    def log2(self, t): ...
+    def ceil(self, t): ...
+    def sqrt(self, t): ...
+    def ldexp(self, x, e):
+        """``x * 2**e`` (``e`` an integer tensor): exact for a power-of-two result."""
+    def cumsum(self, t, axis: int): ...
+    def row_norm(self, t):
+        """fp32 Euclidean norm over the last axis (bf16 read without a full fp32 copy)."""
+    def take_along_axis(self, src, index, axis: int): ...
+    def put_along_axis(self, dst, index, src, axis: int, reduce: str = "assign"):
+        """``dst`` with ``src`` written (``"assign"``) or added (``"add"``) at ``index`` along
+        ``axis`` (out of place; equal indices must carry equal values under ``"assign"``)."""
     def gather_rows(self, src, index):
         """``src [B, N, D]``, ``index [B, S, L]`` (all in ``[0, N)``) -> ``[B, S, L, D]``."""
     def scatter_add_rows(self, dst, index, src):
@@ -194,6 +206,33 @@ class _PaddleOps(TensorOps):
     def einsum(self, eq, *ts):
         return self.p.einsum(eq, *ts)
 
+    def log2(self, t):
+        return self.p.log2(t)
+
+    def ceil(self, t):
+        return self.p.ceil(t)
+
+    def sqrt(self, t):
+        return self.p.sqrt(t)
+
+    def ldexp(self, x, e):
+        return self.p.ldexp(x, e.astype("int32"))
+
+    def cumsum(self, t, axis):
+        return self.p.cumsum(t, axis=axis)
+
+    def row_norm(self, t):
+        if self.dtype(t) != "float32":  # Paddle's CPU build has no bf16 math
+            t = t.astype("float32")
+        return self.p.linalg.norm(t, p=2, axis=-1)
+
+    def take_along_axis(self, src, index, axis):
+        return self.p.take_along_axis(src, index.astype("int64"), axis=axis)
+
+    def put_along_axis(self, dst, index, src, axis, reduce="assign"):
+        return self.p.put_along_axis(dst, index.astype("int64"), src, axis=axis, reduce=reduce,
+                                     include_self=True)
+
     def gather_rows(self, src, index):
         b, s, l = self.shape(index)
         flat = self.p.reshape(index, [b, s * l, 1]).astype("int64")
@@ -291,6 +330,32 @@ class _TorchOps(TensorOps):
 
     def einsum(self, eq, *ts):
         return self.t.einsum(eq, *ts)
+
+    def log2(self, t):
+        return self.t.log2(t)
+
+    def ceil(self, t):
+        return self.t.ceil(t)
+
+    def sqrt(self, t):
+        return self.t.sqrt(t)
+
+    def ldexp(self, x, e):
+        return self.t.ldexp(*self.t.broadcast_tensors(x, e))
+
+    def cumsum(self, t, axis):
+        return self.t.cumsum(t, dim=axis)
+
+    def row_norm(self, t):
+        return self.t.linalg.vector_norm(t, dim=-1, dtype=self.t.float32)
+
+    def take_along_axis(self, src, index, axis):
+        return self.t.take_along_dim(src, index.long(), dim=axis)
+
+    def put_along_axis(self, dst, index, src, axis, reduce="assign"):
+        if reduce == "add":
+            return dst.scatter_add(axis, index.long(), src)
+        return dst.scatter(axis, index.long(), src)
 
     def gather_rows(self, src, index):
         b, s, l = self.shape(index)

@@ -12,11 +12,10 @@ the padding / slicing / LSE-bridge logic can be tested on CPU against stand-ins 
 each kernel's math (``tests/test_interface.py``).
 
 Determinism of the backward (``deterministic=True``): ``dq`` is written once per (row, head) by
-the CTA that owns it; ``d_sink`` is a fixed-order sum of per-(b, s, h) partials; ``dkv`` is
-summed in a fixed order (``det_method="ordered"``, :func:`_ordered_dkv`) or accumulated exactly
-in int64 fixed point (``det_method="fixed_point"``, see :func:`fixed_point_scale` for the scale,
-the bound and the precision argument), so all three are bitwise identical across calls and
-processes.
+the CTA that owns it; ``d_sink`` is a fixed-order sum of per-(b, s, h) partials; ``dkv`` is summed
+exactly on a per-key power-of-two grid (:func:`_exact_dkv`; ``docs/conventions.md`` states the
+precision), so the order in which CTAs add does not matter: all three are bitwise identical
+across calls and processes.
 """
 
 from __future__ import annotations
@@ -32,31 +31,31 @@ from .reference import lse_natural_to_log2_sink
 __all__ = [
     "mqa_latent_sparse_fwd",
     "mqa_latent_sparse_bwd",
-    "fixed_point_scale",
     "TileLangKernels",
-    "FIXED_POINT_BITS",
+    "EXACT_BITS",
+    "GRID_MARGIN_BITS",
 ]
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
 
-#: Scratch budget of the ordered deterministic mode: query rows are processed in chunks whose
-#: slot partials ``[rows, G, L, Dk]`` fp32 fit in it (8 GiB: 1,820 rows at topk=2048, H<=64).
-ORDERED_SCRATCH_BYTES = 8 << 30
-
-#: |dKV total| * scale stays below 2**FIXED_POINT_BITS (int64 holds 2**63 - 1).
-FIXED_POINT_BITS = 62
-# Clamp of the fixed-point exponent: keeps the scale a normal fp32 number.
-_SCALE_EXP_RANGE = (-100, 100)
+#: Every partial sum of one dKV column, counted in units of its key's grid, stays within
+#: ``2**EXACT_BITS``: fp32 (24-bit significand) adds such integers exactly.
+EXACT_BITS = 24
+#: Head-room of the first pass's grid over its estimate of each key's sum (bits); a key whose
+#: contributions are larger than that is re-run on a grid fitted to its exact bound.
+GRID_MARGIN_BITS = 2
+# Clamp of the grid exponent: keeps 1 / g a normal fp32 number.
+_GRID_EXP_RANGE = (-100, 100)
 
 
 class TileLangKernels:
     """Default provider: launches the TileLang kernels (CUDA tensors of either framework).
 
-    A provider has ``device`` (the device kind its tensors must be on) and four launchers; each
+    A provider has ``device`` (the device kind its tensors must be on) and three launchers; each
     fills its output arguments in place.  Compiled kernels are cached by TileLang per static
-    specialisation (head tile, Dk, Dv, deterministic flag); shapes are dynamic.
+    specialisation (head tile, Dk, Dv, dKV mode, dQ on/off); shapes are dynamic.
     """
 
     device = "cuda"
@@ -68,20 +67,9 @@ class TileLangKernels:
     def _kernel(self, key):
         kernel = self._kernels.get(key)
         if kernel is None:
-            from .kernels import sparse_bwd, sparse_fwd
+            from . import kernels
 
-            name, args = key[0], key[1:]
-            if name == "fwd":
-                kernel = sparse_fwd.sparse_fwd(*args)
-            elif name == "pre":
-                kernel = sparse_bwd.preprocess(*args)
-            elif name == "main":
-                kernel = sparse_bwd.main(*args[:-1], slot_partials=args[-1])
-            elif name == "reduce":
-                kernel = sparse_bwd.slot_reduce(*args)
-            else:
-                kernel = sparse_bwd.postprocess(*args)
-            self._kernels[key] = kernel
+            kernel = self._kernels[key] = kernels.build(key[0], key[1:])
         return kernel
 
     def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
@@ -89,19 +77,16 @@ class TileLangKernels:
         self._kernel(key)(q, kv, indices, sink, scale, out, lse)
 
     def bwd_preprocess(self, out2d, grad_out2d, delta):
-        self._kernel(("pre", int(out2d.shape[-1])))(out2d, grad_out2d, delta)
+        self._kernel(("bwd_pre", int(out2d.shape[-1])))(out2d, grad_out2d, delta)
 
-    def bwd_main(self, heads_per_cta, deterministic, q, kv, grad_out, indices, lse2, delta,
-                 scale, dq, dkv_acc, slot_partials=False):
-        key = ("main", heads_per_cta, int(q.shape[-1]), int(grad_out.shape[-1]),
-               bool(deterministic), tiling.bwd_key_block(heads_per_cta), bool(slot_partials))
-        self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, dq, dkv_acc)
+    def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
+        from .kernels import main_args
 
-    def bwd_slot_reduce(self, parts, perm, offsets, dkv):
-        self._kernel(("reduce", int(parts.shape[-1])))(parts, perm, offsets, dkv)
-
-    def bwd_postprocess(self, dkv_acc, scale, dkv):
-        self._kernel(("post", int(dkv_acc.shape[-1])))(dkv_acc, scale, dkv)
+        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), int(q.shape[-1]),
+                                        int(grad_out.shape[-1]))
+        self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq,
+                          dkv_acc, bound, bound_exp)
 
 
 _DEFAULT_PROVIDER = TileLangKernels()
@@ -153,46 +138,6 @@ def _slice_heads(ops, t, h):
     return t if ops.shape(t)[2] == h else ops.contiguous(t[:, :, :h])
 
 
-def _absmax(ops, t):
-    """``max |t|`` as a 1-element fp64 tensor on ``t``'s device (no host sync).
-
-    The infinity norm reads ``t`` once (``abs().amax()`` would write and re-read a full copy:
-    0.8 ms instead of ~0.2 ms for q and dO at the reference shape)."""
-    if ops.device_kind(t) == "cpu":  # Paddle's CPU build has no bf16 math
-        t = ops.cast(t, "float32")
-    return ops.cast(ops.reshape(t.norm(p=float("inf")), (1,)), "float64")
-
-
-def _sort_slots_by_key(ops, idx, num_groups, s_kv):
-    """CSR of the ordered deterministic mode: for keys ``idx [B, S, L]`` repeated over the head
-    groups (rows ``((s * G) + g) * L + l`` of the slot partials), a stable sort by key gives
-    ``perm [B, R] int32`` and ``offsets [B, S_kv + 1] int32`` (key ``j`` owns sorted positions
-    ``offsets[j] .. offsets[j+1]``; the ``-1`` slots sort first and belong to no key).  Both are
-    integer and stable, so the summation order they fix is the same on every call."""
-    b, s, l = ops.shape(idx)
-    keys = ops.reshape(idx, (b, s, 1, l))
-    if num_groups > 1:
-        keys = ops.concat([keys] * num_groups, axis=2)
-    keys = ops.reshape(keys, (b, s * num_groups * l))
-    if ops.name == "torch":
-        import torch
-
-        vals, perm = torch.sort(keys, dim=-1, stable=True)
-        targets = torch.arange(s_kv + 1, dtype=torch.int32, device=keys.device)
-        offsets = torch.searchsorted(vals, targets.expand(b, s_kv + 1).contiguous(),
-                                     out_int32=True)
-    else:
-        import paddle
-
-        perm = paddle.argsort(keys, axis=-1, stable=True)
-        vals = paddle.take_along_axis(keys, perm, axis=-1)
-        targets = paddle.arange(s_kv + 1, dtype="int32").expand([b, s_kv + 1])
-        if targets.place != keys.place:
-            targets = targets.to(keys.place)
-        offsets = paddle.searchsorted(vals, targets.contiguous(), out_int32=True)
-    return ops.contiguous(ops.cast(perm, "int32")), ops.contiguous(offsets)
-
-
 def _d_sink(ops, attn_sink, lse2, delta):
     """``d_sink[h] = -sum_{b,s} P_sink * Delta`` (``[H]`` fp32; zeros without a sink): per-row
     partials ``P_sink = exp(sink - lse2 ln 2)`` times ``Delta``, then one framework reduction
@@ -205,92 +150,103 @@ def _d_sink(ops, attn_sink, lse2, delta):
     return -ops.sum(ops.reshape(p_sink * delta, (b * s, h)), axis=0)
 
 
-def _ordered_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dims):
-    """dq and dKV of the ordered deterministic mode, in chunks of query rows.
+def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale, h):
+    """Exponents ``e_j [B, S_kv]`` of the first pass's per-key grids ``g_j = 2**e_j``.
 
-    Per batch element and chunk of rows (at most :data:`ORDERED_SCRATCH_BYTES` of slot
-    partials): the main kernel writes every (row, head group, slot) dKV row to the scratch and
-    its rows of dq; a stable sort of the chunk's keys gives each key's run; ``slot_reduce`` adds
-    the run, in order, into an fp32 ``dKV``.  Chunks go in row order, so every dKV element
-    receives its contributions in one fixed sequence (sorted by key, then by row, group and
-    slot) whatever the chunking: bitwise repeatable, and equal to an unchunked run.
+    A deterministic guess of each key's sum of contributions if attention were uniform: a row
+    ``s`` with ``L_s`` valid slots gives each key about ``c_s = 4 / L_s * sqrt(sum_h |dO_sh|^2
+    ((sm_scale kv_rms |q_sh|)^2 / Dk + 1 / Dv))`` per column (the per-head terms of
+    ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns).  The sum over
+    a key's rows ``E_j`` is taken in int64 fixed point (exact, so order-free), and
+    ``g_j = 2**(ceil(log2 E_j) + GRID_MARGIN_BITS - EXACT_BITS)``.  Only speed depends on this
+    guess: the kernel proves the bound for every key and keys that exceed it are re-run.
     """
-    B, S, Dk = dims.B, dims.S, dims.Dk
-    g, m = plan.num_groups, plan.heads_per_cta
-    l_pad = ops.shape(idx)[-1]
-    rows = max(1, min(S, ORDERED_SCRATCH_BYTES // (g * l_pad * Dk * 4)))
-    # The kernels address the scratch with int32 offsets (largest offset = elements - 1).
-    if rows * g * l_pad * Dk > 2**31:
+    b, s, l = ops.shape(idx)
+    d_k, d_v = ops.shape(q)[-1], ops.shape(grad_out)[-1]
+    kv_f = ops.cast(kv, "float32") if ops.device_kind(kv) == "cpu" else kv
+    kv_rms = ops.row_norm(ops.reshape(kv_f, (1, -1))) / math.sqrt(max(1, ops.shape(kv)[0]
+                                                                      * ops.shape(kv)[1] * d_k))
+    qn = ops.row_norm(q[:, :, :h])  # [B, S, H]
+    don = ops.row_norm(grad_out[:, :, :h])
+    w = don * don * ((qn * (kv_rms * sm_scale)) ** 2 / d_k + 1.0 / d_v)
+    n_valid = ops.sum(ops.cast(valid, "float32"), axis=-1)  # [B, S]
+    one = ops.full((1,), 1.0, "float32", n_valid)
+    c_row = 4.0 * ops.sqrt(ops.sum(w, axis=-1)) / ops.where(n_valid > 0, n_valid, one)
+    # fixed point with the largest row at 2^40: sums of <= 2^22 rows stay below 2^63
+    top = ops.amax(c_row)
+    frac_bits = 40.0 - ops.ceil(ops.log2(ops.where(top > 0, top, one)))
+    c_fx = ops.cast(ops.ceil(ops.ldexp(c_row, ops.cast(frac_bits, "int32"))), "int64")
+    vals = ops.where(valid, ops.reshape(c_fx, (b, s, 1)) + ops.zeros((b, s, l), "int64", c_fx),
+                     ops.zeros((1,), "int64", c_fx))
+    zero_idx = ops.zeros((1,), "int32", idx)
+    flat_idx = ops.reshape(ops.where(valid, idx, zero_idx), (b, s * l))
+    est = ops.put_along_axis(ops.zeros((b, ops.shape(kv)[1]), "int64", c_fx), flat_idx,
+                             ops.reshape(vals, (b, s * l)), axis=1, reduce="add")
+    est_f = ops.cast(est, "float64")
+    e = ops.ceil(ops.log2(ops.where(est_f > 0, est_f, ops.full((1,), 1.0, "float64", est_f))))
+    e = e - ops.cast(frac_bits, "float64") + float(GRID_MARGIN_BITS - EXACT_BITS)
+    return e.clip(*_GRID_EXP_RANGE)
+
+
+def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, h, sm_scale):
+    """Deterministic dKV (fp32 ``[B, S_kv, Dk]``) and dq, exact on per-key grids.
+
+    Pass 1 (``main``, exact mode, with dq): every contribution ``c`` to key ``j`` becomes the
+    integer ``k = round(c / g_j)`` and is added in fp32; the kernel also sums exactly, in int64,
+    ``Bound_j = sum over contributions of max_d |k|``.  ``Bound_j <= 2^24`` bounds every partial
+    sum of every column of key ``j`` by ``2^24`` grid units, so all those fp32 additions were
+    exact and the result does not depend on their order.  Keys with ``Bound_j > 2^24`` (the
+    first pass's grid guess was too fine for them) are cleared and re-run (``with_dq=False``, on
+    their slots only, moved to the front of each row) on ``g'_j = g_j 2^t`` with
+    ``t = ceil(log2(Bound_j / 2^23))``: then ``|k'| <= |k| / 2^t + 1``, so
+    ``Bound'_j <= 2^23 + n_j <= 2^24`` for ``n_j <= 2^23`` contributions (checked).  Everything
+    is on the device, no host sync; a re-run with no keys costs one near-empty launch.
+    """
+    b, s, l = ops.shape(idx)
+    s_kv, d_k = ops.shape(kv)[1], ops.shape(kv)[2]
+    if s * plan.num_groups > 2 ** (EXACT_BITS - 1):
         raise ValueError(
-            f"token_indices: L={l_pad} (padded) x {g} head group(s) x Dk={Dk} is too wide for the "
-            f"ordered deterministic mode's int32 scratch offsets; use det_method='fixed_point'"
-        )
-    scratch = ops.empty((1, rows, g, l_pad, Dk), "float32", q)
-    dkv32 = ops.zeros((B, dims.S_kv, Dk), "float32", q)
-    whole = B == 1 and rows == S
-    dq_parts = []
-    for b in range(B):
-        for s0 in range(0, S, rows):
-            s1 = min(S, s0 + rows)
-            n = s1 - s0
-            if whole:
-                pick = lambda t: t  # noqa: E731
-            else:
-                pick = lambda t: ops.contiguous(t[b:b + 1, s0:s1])  # noqa: E731
-            parts = scratch if n == rows else ops.contiguous(scratch[:, :n])
-            dq_c = ops.empty((1, n, plan.padded_heads, Dk), "bfloat16", q)
-            idx_c = pick(idx)
-            provider.bwd_main(m, True, pick(q), kv if whole else ops.contiguous(kv[b:b + 1]),
-                              pick(do), idx_c, pick(lse2), pick(delta), scale, dq_c, parts,
-                              slot_partials=True)
-            perm, offsets = _sort_slots_by_key(ops, idx_c, g, dims.S_kv)
-            acc = dkv32 if B == 1 else ops.contiguous(dkv32[b:b + 1])
-            provider.bwd_slot_reduce(ops.reshape(parts, (1, n * g * l_pad, Dk)), perm, offsets,
-                                     acc)
-            if B > 1:
-                dkv32[b:b + 1] = acc
-            dq_parts.append(dq_c)
-    dq = dq_parts[0] if len(dq_parts) == 1 else ops.reshape(
-        ops.concat(dq_parts, axis=1), (B, S, plan.padded_heads, Dk))
-    return dq, ops.cast(dkv32, "bfloat16")
+            f"query: S={s} x {plan.num_groups} head group(s) rows may add to one key, more than "
+            f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
+    valid = idx >= 0
+    flat_idx = ops.reshape(ops.where(valid, idx, ops.zeros((1,), "int32", idx)), (b, s * l))
+    e = _grid_estimate(ops, q, do, kv, idx, valid, sm_scale, h)
+    one = ops.full((1,), 1.0, "float32", q)
+    inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
+    acc = ops.zeros((b, s_kv, d_k), "float32", q)
+    bound = ops.zeros((b, s_kv), "int64", q)
+    bound_exp = ops.zeros((b, s_kv), "int32", q)
+    counts = ops.full((b, s), l, "int32", q)
+    provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
+                      inv_grid, counts, dq, acc, bound, bound_exp)
 
-
-def fixed_point_scale(ops, query, kv, grad_out, delta, sm_scale, num_rows):
-    """The fixed-point scale of the deterministic dKV accumulation, on the device.
-
-    Bound.  For one row ``(b, s, h)`` with probabilities ``P_l`` (``sum_l P_l <= 1``, the sink
-    taking the rest) and ``dP_l = <dO, v_l>``:
-    ``|dP_l| <= ||dO||_2 ||v_l||_2 <= Dv * max|dO| * max|kv|`` (``||x||_2 <= sqrt(n) ||x||_inf``)
-    and ``dS_l = P_l (dP_l - Delta)``, so ``sum_l |dS_l| <= Dv max|dO| max|kv| + |Delta|``.  The
-    row adds to ``dKV[i_l, c]`` the terms ``sm_scale dS_l q_c`` and ``P_l dO_c``; summed over its
-    slots these are at most ``R = sm_scale max|q| (Dv max|dO| max|kv| + max|Delta|) + max|dO|``.
-    Every dKV element, every partial sum of its contributions and every single contribution is
-    therefore at most ``num_rows * R`` in magnitude (``num_rows = B*S*H``).  We double it to cover
-    the bf16 rounding of ``P`` and ``dS`` inside the kernel and fp32 rounding of the lse, and take
-    ``scale = 2^(62 - ceil(log2(2 num_rows R)))`` (exponent clamped to ``[-100, 100]``), so that
-    every partial sum times ``scale`` stays below ``2^62 < 2^63``: no int64 overflow.  The bound
-    assumes ``lse`` belongs to these inputs (as a forward returns it); an unrelated ``lse`` can
-    give ``sum_l P_l > 1`` and void it.
-
-    Precision.  A contribution ``x`` (fp32) is stored as ``round(x * scale)``; with a power-of-two
-    scale ``x * scale`` is exact, so each contribution is off by at most ``0.5 / scale``, and a
-    dKV element summing ``n`` contributions by ``n * 0.5 / scale <= n * 2 num_rows R / 2^62``.
-    At B=1, S=4096, H=64, randn inputs (R ~ 2e3) the scale is ~2^33 and the error ~1e-10 per
-    contribution, far below the final bf16 rounding (2^-9 relative).
-
-    Returns:
-        ``[1]`` fp32 tensor ``scale`` (a power of two) on the inputs' device.
-    """
-    d_v = ops.shape(grad_out)[-1]
-    per_row = (
-        _absmax(ops, query) * sm_scale
-        * (_absmax(ops, grad_out) * _absmax(ops, kv) * float(d_v) + _absmax(ops, delta))
-        + _absmax(ops, grad_out)
-    )
-    bound = per_row * (2.0 * float(num_rows))
-    exponent = (float(FIXED_POINT_BITS) - bound.log2().ceil()).clip(*_SCALE_EXP_RANGE)
-    two = ops.full((1,), 2.0, "float64", exponent)
-    return ops.cast(two ** exponent, "float32")
+    bound_f = ops.cast(bound, "float64")
+    over = bound_f > float(2**EXACT_BITS)
+    # a u clamped at 2^40 leaves the sum short: then n_j * 2^BoundExp_j bounds it instead
+    n_key = ops.put_along_axis(ops.zeros((b, s_kv), "float64", bound_f), flat_idx,
+                               ops.reshape(ops.cast(valid, "float64"), (b, s * l)), axis=1,
+                               reduce="add")
+    by_max = n_key * ops.ldexp(ops.full((1,), 1.0, "float64", bound_f), bound_exp)
+    bound_f = ops.where(bound_f >= 2.0**40, by_max, bound_f)
+    safe = ops.where(over, bound_f, ops.full((1,), 2.0 ** (EXACT_BITS - 1), "float64", bound_f))
+    t = ops.ceil(ops.log2(safe) - float(EXACT_BITS - 1))
+    # make the exponent exact whatever log2 rounded to: 2^(23 + t) >= Bound, 2^(22 + t) < Bound
+    t = ops.where(safe > ops.ldexp(ops.full((1,), 2.0 ** (EXACT_BITS - 1), "float64", t),
+                                   ops.cast(t, "int32")), t + 1.0, t)
+    inv_grid = ops.ldexp(inv_grid, ops.cast(-t, "int32"))
+    acc = ops.where(ops.reshape(over, (b, s_kv, 1)), ops.zeros((1,), "float32", acc), acc)
+    # the re-run keys' slots first in each row (stable), -1 after them
+    over_i = ops.cast(over, "int32")  # (Paddle gathers no bool)
+    rerun = (ops.reshape(ops.take_along_axis(over_i, flat_idx, axis=1), (b, s, l)) > 0) & valid
+    pos = ops.cast(ops.cumsum(ops.cast(rerun, "int32"), axis=-1), "int32") - 1
+    minus1 = ops.full((1,), -1, "int32", idx)
+    target = ops.where(rerun, pos, ops.full((1,), l - 1, "int32", idx))
+    idx2 = ops.put_along_axis(ops.full((b, s, l), -1, "int32", idx), target,
+                              ops.where(rerun, idx, minus1), axis=-1)
+    counts = ops.cast(ops.sum(ops.cast(rerun, "int32"), axis=-1), "int32")
+    provider.bwd_main(plan.heads_per_cta, "exact", False, q, kv, do, idx2, lse2, delta, scale,
+                      inv_grid, counts, dq, acc, bound, bound_exp)
+    return acc * ops.reshape(one / inv_grid, (b, s_kv, 1))
 
 
 def mqa_latent_sparse_fwd(
@@ -366,7 +322,6 @@ def mqa_latent_sparse_bwd(
     deterministic: bool = True,
     lse_format: str = "natural",
     *,
-    det_method: str = "ordered",
     check_indices: bool = True,
     provider: Any = None,
 ):
@@ -384,17 +339,11 @@ def mqa_latent_sparse_bwd(
         sm_scale: positive float.
         block_h: 16, 32 or ``None`` (see :func:`mqa_latent_sparse_fwd`).
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and
-            processes (dKV summed as ``det_method`` says); ``False``: fp32 atomics for dKV
-            (faster, last-bit differences between calls).
+            processes: each key's dKV is summed exactly on a power-of-two grid of its own
+            (:func:`_exact_dkv`; the precision is stated in ``docs/conventions.md``), with the
+            atomic path's scatter and ``B*S_kv*(Dk*4 + 16)`` bytes of scratch.  ``False``: plain
+            fp32 atomics for dKV (last-bit differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
-        det_method: how ``deterministic=True`` sums dKV (both bitwise repeatable; they round
-            differently, each within fp32 accumulation error):
-            ``"ordered"`` (default): every (query row, head group, slot) writes its dKV row to a
-            scratch, a stable sort by key fixes the order, one kernel adds each key's rows in
-            that order in fp32 (rows in chunks: scratch at most ``ORDERED_SCRATCH_BYTES``,
-            8 GiB); 1.35x the atomic backward at B=1 S=4096 S_kv=8192 H=64 topk=2048 (H200).
-            ``"fixed_point"``: int64 fixed-point atomics (:func:`fixed_point_scale`); scratch
-            ``B*S_kv*Dk*8`` bytes only, but 1.9x the atomic backward (8-byte atomics).
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
 
     Returns:
@@ -410,9 +359,6 @@ def mqa_latent_sparse_bwd(
     if lse_format not in ("natural", "log2_sink"):
         raise ValueError(f"lse_format: expected 'natural' or 'log2_sink', got {lse_format!r}")
     _check_bool(deterministic, "deterministic")
-    if det_method not in ("fixed_point", "ordered"):
-        raise ValueError(f"det_method: expected 'fixed_point' or 'ordered', got {det_method!r}")
-    ordered = deterministic and det_method == "ordered"
     dims = validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=_dv_of(grad_out), out=out,
         grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",), device=provider.device,
@@ -449,29 +395,21 @@ def mqa_latent_sparse_bwd(
     lse2_p = ops.contiguous(_pad_rows(ops, lse2, h_pad, 0.0))
     delta_p = ops.contiguous(_pad_rows(ops, delta, h_pad, 0.0))
 
-    sm = ops.full((1,), sm_scale, "float32", q)
-    if deterministic and not ordered:
-        fx = fixed_point_scale(ops, query, kv, grad_out, delta, sm_scale, n_rows)
-    else:
-        fx = ops.full((1,), 1.0, "float32", q)
-    scale = ops.concat([sm, fx], axis=0)
-
-    if ordered:
-        dq, dkv = _ordered_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p, scale,
-                               dims)
-        return _slice_heads(ops, dq, H), dkv, _d_sink(ops, attn_sink, lse2, delta)
+    scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
-    acc = ops.zeros((B, dims.S_kv, dims.Dk), "int64" if deterministic else "float32", q)
-    provider.bwd_main(plan.heads_per_cta, deterministic, q, kv_c, do_p, idx, lse2_p, delta_p,
-                      scale, dq, acc)
+    if deterministic:
+        dkv32 = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p, scale, dq, H,
+                           sm_scale)
+    else:
+        dkv32 = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
+        unused = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
+        provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
+                          delta_p, scale, unused, ops.empty((B, S), "int32", q), dq, dkv32,
+                          ops.empty((B, dims.S_kv), "int64", q),
+                          ops.empty((B, dims.S_kv), "int32", q))
     # queued behind the main kernel: its host time overlaps the kernel
     d_sink = _d_sink(ops, attn_sink, lse2, delta)
-    if deterministic:
-        dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
-        provider.bwd_postprocess(acc, scale, dkv)
-    else:
-        dkv = ops.cast(acc, "bfloat16")
-    return _slice_heads(ops, dq, H), dkv, d_sink
+    return _slice_heads(ops, dq, H), ops.cast(dkv32, "bfloat16"), d_sink
 
 
 def _dv_of(grad_out) -> int:

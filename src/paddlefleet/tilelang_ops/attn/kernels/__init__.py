@@ -1,19 +1,54 @@
-"""TileLang kernels of sparse MQA-latent attention (no framework import; one variant per file):
+"""TileLang kernels of sparse MQA-latent attention (no framework import), and their registry.
 
 * ``sparse_fwd.sparse_fwd``: the forward (online softmax over top-k key blocks, sink folded in);
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta) -> ``sparse_bwd.main``
-  (dQ and dKV) -> ``sparse_bwd.slot_reduce`` (ordered deterministic mode, the default:
-  ``main(..., slot_partials=True)`` writes per-slot dKV rows and this adds them per key in a
-  fixed order) or ``sparse_bwd.postprocess`` (fixed-point mode: int64 -> bf16 dKV); the atomic
-  mode (``deterministic=False``) needs neither.
+  (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
+  ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise).
 
-Host wrappers: ``attn/interface.py``.  Every kernel compiles with ``settings.PASS_CONFIGS``.
-:func:`lower` lowers one specialisation for ``settings.TARGET`` without a GPU (tests, tools).
+:func:`build` maps a kernel name and its static arguments to the compiled kernel and
+:func:`specs` lists every specialisation the host wrappers can ask for: the provider in
+``attn/interface.py``, ``tools/precompile.py`` and the compile tests all use these two.  Every
+kernel compiles with ``settings.PASS_CONFIGS``.  :func:`lower` lowers one specialisation for
+``settings.TARGET`` without a GPU (tests, tools).
 """
 
+#: Head tiles ``tiling.head_plan`` can give, and the (Dk, Dv) the kernels are built for.
+HEAD_TILES = (16, 32, 64)
+D_QK, D_V = 576, 512
 
-def lower(jit_kernel, args, pass_configs=None, kwargs=None):
-    """Lower ``jit_kernel(*args, **kwargs)`` for ``settings.TARGET`` (sm_90a) on any machine.
+
+def builders() -> dict:
+    """``{name: TileLang jit function}`` of the three kernels."""
+    from . import sparse_bwd, sparse_fwd
+
+    return {"fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
+            "bwd_main": sparse_bwd.main}
+
+
+def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V):
+    """Static arguments of ``sparse_bwd.main`` for one head tile (the key block follows it)."""
+    from ..tiling import bwd_key_block
+
+    return (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
+
+
+def specs(heads=HEAD_TILES) -> list:
+    """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given."""
+    out = [("bwd_pre", (D_V,))]
+    for m in heads:
+        out.append(("fwd", (m, D_QK, D_V)))
+        for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):
+            out.append(("bwd_main", main_args(m, mode, with_dq)))
+    return out
+
+
+def build(name: str, args: tuple):
+    """The compiled kernel ``name(*args)`` (TileLang caches it in ``TILELANG_CACHE_DIR``)."""
+    return builders()[name](*args)
+
+
+def lower(name: str, args: tuple, pass_configs=None):
+    """Lower ``name(*args)`` for ``settings.TARGET`` (sm_90a) on any machine.
 
     ``pass_configs`` defaults to the kernel's own (``settings.PASS_CONFIGS``); tests pass
     ``settings.pass_configs(...)`` overrides to show what a setting changes.
@@ -26,7 +61,8 @@ def lower(jit_kernel, args, pass_configs=None, kwargs=None):
     tilelang = settings.import_tilelang()
     from tilelang import tvm
 
+    jit_kernel = builders()[name]
     cfg = jit_kernel.pass_configs if pass_configs is None else pass_configs
     with tvm.transform.PassContext(opt_level=3, config=cfg), tvm.target.Target(settings.TARGET):
-        tir = jit_kernel.get_tir(*args, **(kwargs or {}))
+        tir = jit_kernel.get_tir(*args)
         return tilelang.lower(tir, target=settings.TARGET)

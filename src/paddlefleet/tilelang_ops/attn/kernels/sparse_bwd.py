@@ -38,7 +38,7 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["preprocess", "main", "postprocess", "slot_reduce"]
+__all__ = ["preprocess", "main"]
 
 LOG2E = 1.4426950408889634
 
@@ -82,34 +82,50 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: int = 32,
-         threads: int = 256, scatter_early=None, num_stages: int = 1,
-         slot_partials: bool = False):
-    """Build the main backward kernel for one head tile.
+def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
+         block_k: int = 32, threads: int = 256, num_stages: int = 1):
+    """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``dO [B, S, H_pad, Dv] bf16``, ``Indices [B, S, L] int32``, ``Lse2 [B, S, H_pad] fp32``
-    (base-2, sink-inclusive, finite), ``Delta [B, S, H_pad] fp32``, ``Scale [2] fp32``
-    (``sm_scale``, fixed-point scale), outputs ``dQ [B, S, H_pad, Dk] bf16`` and the accumulator
-    ``dKV_acc [B, S_kv, Dk]`` (int64 when ``deterministic`` else fp32; zeroed by the caller).
+    (base-2, sink-inclusive, finite), ``Delta [B, S, H_pad] fp32``, ``Scale [1] fp32``
+    (``sm_scale``), ``InvGrid [B, S_kv] fp32`` (exact mode: ``1 / g_j``, a power of two per
+    key row), ``Counts [B, S] int32`` (``with_dq=False``: slots to process per row, a prefix of
+    ``Indices``), outputs ``dQ [B, S, H_pad, Dk] bf16``, the accumulator
+    ``dKV_acc [B, S_kv, Dk] fp32`` (zeroed by the caller), ``Bound [B, S_kv] int64`` and
+    ``BoundExp [B, S_kv] int32`` (exact mode; zeroed by the caller).  Arguments a mode does not
+    use are not read.
+
+    ``mode``:
+
+    * ``"atomic"``: fp32 ``atomic_addx4`` of each block's dKV rows (fast; the order in which
+      CTAs arrive changes the last bits).
+    * ``"exact"``: each contribution ``c`` to key ``j`` is rounded to the key's power-of-two grid,
+      ``k = round(c / g_j)`` (exact scaling, one rounding), and the integer-valued floats ``k``
+      are added with the same ``atomic_addx4``.  While every partial sum of a column stays within
+      ``2^24`` in magnitude, every fp32 addition is exact, so the sum does not depend on the
+      order: bitwise repeatable at the atomic path's speed.  To prove that bound the kernel also
+      adds ``u = max_d |k_d|`` (clamped to ``2^40``) of every (row, head group, slot)
+      contribution into ``Bound[b, j]`` with int64 atomics (exact), and keeps the largest
+      ``ceil(log2 u) + 1`` in ``BoundExp[b, j]`` (atomic max): ``Bound[b, j] <= 2^24``
+      guarantees it.  The host re-runs the keys that exceed it on a coarser grid
+      (``interface._exact_dkv``).
+
+    ``with_dq=False`` (the exact mode's re-run) skips dQ's GEMMs and store and walks only the
+    first ``Counts[b, s]`` slots of each row (the host moves the re-run keys' slots to the front;
+    a row with ``Counts = 0`` does nothing).
 
     Schedule knobs (static; defaults measured on H200 at B=1 S=4096 S_kv=8192 H=64 topk=2048,
-    see docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async)
-    right after the last GEMM that reads the current one, so it overlaps the dKV GEMMs and the
-    scatter (det 33.5 -> 30.5 ms); ``scatter_early`` (default: the atomic and the ordered
-    paths, not the int64 one) runs dQ's two GEMMs after the dKV scatter or stores (atomic
-    19.1 -> 15.6 ms with ``num_stages=1``; the int64 path was slower that way, 32.0 ms).
-
-    ``slot_partials=True`` (ordered deterministic mode) replaces the scatter by plain coalesced
-    stores of each block's dKV rows into ``dKV_acc [B, S, G, L, Dk] fp32`` (one row per query
-    row, head group and top-k slot; ``G = H_pad / M``): nothing is shared between CTAs, and
-    :func:`slot_reduce` sums the rows of each key in a fixed order afterwards.
+    docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async) right
+    after the last GEMM that reads the current one, so it overlaps the dKV GEMMs and the scatter;
+    dQ's two GEMMs run after the scatter, so the fire-and-forget atomics drain while the tensor
+    cores work.
     """
-    if scatter_early is None:
-        scatter_early = not deterministic or slot_partials
+    assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     assert block_k % 2 == 0
+    exact = mode == "exact"
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -117,15 +133,18 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
     HALF = BK // 2  # the dKV block is staged through shared memory in two halves (smem budget)
     dtype = "bfloat16"
     acc_t = "float32"
-    dkv_t = "int64" if deterministic and not slot_partials else "float32"
+    # u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum exactly in
+    # int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
+    U_CLAMP = float(2**40)
+    EXP_CLAMP = float(2**100)
+    U_COLS = D_tail  # width of the slices the row max |k| is taken over
+    assert D % U_COLS == 0
 
     B = T.dynamic("B")
     S = T.dynamic("S")
     S_kv = T.dynamic("S_kv")
     L = T.dynamic("L")
     H_pad = T.dynamic("H_pad")
-    G = T.dynamic("G")
-    acc_shape = [B, S, G, L, d_qk] if slot_partials else [B, S_kv, d_qk]
 
     @T.prim_func
     def sparse_bwd_main(
@@ -135,9 +154,13 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
         Indices: T.Tensor([B, S, L], "int32"),
         Lse2: T.Tensor([B, S, H_pad], acc_t),
         Delta: T.Tensor([B, S, H_pad], acc_t),
-        Scale: T.Tensor([2], acc_t),
+        Scale: T.Tensor([1], acc_t),
+        InvGrid: T.Tensor([B, S_kv], acc_t),
+        Counts: T.Tensor([B, S], "int32"),
         dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
-        dKV_acc: T.Tensor(acc_shape, dkv_t),
+        dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
+        Bound: T.Tensor([B, S_kv], "int64"),
+        BoundExp: T.Tensor([B, S_kv], "int32"),
     ):
         with T.Kernel(S, B, H_pad // M, threads=threads) as (s_i, b_i, g_i):
             Q_shared = T.alloc_shared([M, D], dtype)
@@ -149,6 +172,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
             dS_shared = T.alloc_shared([M, BK], dtype)
             dkv_stage = T.alloc_shared([HALF, D], acc_t)
             dkv_tail_stage = T.alloc_shared([HALF, D_tail], acc_t)
+            inv_grid = T.alloc_shared([BK], acc_t)
+            u_stage = T.alloc_shared([HALF], acc_t)
             valid = T.alloc_fragment([BK], "bool")
 
             acc_p = T.alloc_fragment([M, BK], acc_t)
@@ -157,19 +182,24 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
             acc_dkv = T.alloc_fragment([BK, D], acc_t)
             acc_dkv_tail = T.alloc_fragment([BK, D_tail], acc_t)
-            sc = T.alloc_local([3], acc_t)
+            # row max |k| of a staged half, 64 columns at a time (a reduce straight from the
+            # GEMM's accumulator layout does not lower)
+            u_cols = T.alloc_fragment([HALF, U_COLS], acc_t)
+            u_frag = T.alloc_fragment([HALF], acc_t)
+            sc = T.alloc_local([2], acc_t)
 
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
-            sc[2] = Scale[1]  # fixed-point scale (unused on the atomic path)
             T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
             T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
             T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
-            T.clear(acc_dq)
-            T.clear(acc_dq_tail)
+            if with_dq:
+                T.clear(acc_dq)
+                T.clear(acc_dq_tail)
+            num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
 
-            for k_i in T.Pipelined(L // BK, num_stages=num_stages):
+            for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
                 for j in T.Parallel(BK):
                     valid[j] = Indices[b_i, s_i, k_i * BK + j] >= 0
                 # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
@@ -178,6 +208,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
                 for j, d in T.Parallel(BK, D_tail):
                     KV_tail_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0),
                                               D + d]
+                if exact:
+                    for j in T.Parallel(BK):
+                        inv_grid[j] = InvGrid[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
                 for h, j in T.Parallel(M, BK):
                     acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
                 T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
@@ -194,9 +227,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
                     acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
                 T.copy(acc_dp, dS_shared)
 
-                if not scatter_early:
-                    T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(dS_shared, KV_tail_shared, acc_dq_tail, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(dS_shared, Q_shared, acc_dkv, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                 T.gemm(P_shared, dO_shared, acc_dkv, transpose_A=True,
@@ -204,115 +234,58 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, block_k: 
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
 
-                if slot_partials:
-                    # plain stores straight from the fragments: this CTA owns these slot rows
-                    T.copy(acc_dkv, dKV_acc[b_i, s_i, g_i, k_i * BK:(k_i + 1) * BK, :D])
-                    T.copy(acc_dkv_tail, dKV_acc[b_i, s_i, g_i, k_i * BK:(k_i + 1) * BK, D:])
-                else:
-                    for half in T.serial(2):
-                        for j, d in T.Parallel(BK, D):
-                            if j < HALF:
-                                dkv_stage[j, d] = acc_dkv[half * HALF + j, d]
-                        for j, d in T.Parallel(BK, D_tail):
-                            if j < HALF:
-                                dkv_tail_stage[j, d] = acc_dkv_tail[half * HALF + j, d]
-                        if deterministic:
-                            for j, d in T.Parallel(HALF, D):
-                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                                if idx >= 0:
-                                    T.atomic_add(
-                                        dKV_acc[b_i, idx, d],
-                                        T.Cast("int64", T.round(dkv_stage[j, d] * sc[2])),
-                                    )
-                            for j, d in T.Parallel(HALF, D_tail):
-                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                                if idx >= 0:
-                                    T.atomic_add(
-                                        dKV_acc[b_i, idx, D + d],
-                                        T.Cast("int64", T.round(dkv_tail_stage[j, d] * sc[2])),
-                                    )
-                        else:
-                            for j, d4 in T.Parallel(HALF, D // 4):
-                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                                if idx >= 0:
-                                    T.atomic_addx4(dKV_acc[b_i, idx, d4 * 4], dkv_stage[j, d4 * 4])
-                            for j, d4 in T.Parallel(HALF, D_tail // 4):
-                                idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                                if idx >= 0:
-                                    T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
-                                                   dkv_tail_stage[j, d4 * 4])
+                if exact:
+                    # onto the key's grid: c / g_j is exact (power of two), one rounding
+                    for j, d in T.Parallel(BK, D):
+                        acc_dkv[j, d] = T.round(acc_dkv[j, d] * inv_grid[j])
+                    for j, d in T.Parallel(BK, D_tail):
+                        acc_dkv_tail[j, d] = T.round(acc_dkv_tail[j, d] * inv_grid[j])
 
-                if scatter_early:
+                for half in T.serial(2):
+                    for j, d in T.Parallel(BK, D):
+                        if j < HALF:
+                            dkv_stage[j, d] = acc_dkv[half * HALF + j, d]
+                    for j, d in T.Parallel(BK, D_tail):
+                        if j < HALF:
+                            dkv_tail_stage[j, d] = acc_dkv_tail[half * HALF + j, d]
+                    if exact:
+                        # elementwise max over the 64-column slices, then one row reduction
+                        T.copy(dkv_tail_stage, u_cols)
+                        for c in T.serial(D // U_COLS):
+                            for j, d in T.Parallel(HALF, U_COLS):
+                                u_cols[j, d] = T.max(T.abs(u_cols[j, d]),
+                                                     T.abs(dkv_stage[j, c * U_COLS + d]))
+                        T.reduce_absmax(u_cols, u_frag, dim=1)
+                        T.copy(u_frag, u_stage)
+                    for j, d4 in T.Parallel(HALF, D // 4):
+                        idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
+                        if idx >= 0:
+                            T.atomic_addx4(dKV_acc[b_i, idx, d4 * 4], dkv_stage[j, d4 * 4])
+                            if exact:
+                                if d4 == 0:
+                                    # one int64 add per (row, head group, slot): exact sum;
+                                    # and the exponent of the largest u, which still bounds
+                                    # it when a clamped u makes the sum too small
+                                    T.atomic_add(Bound[b_i, idx],
+                                                 T.Cast("int64", T.min(u_stage[j], U_CLAMP)))
+                                    T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
+                                        T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), 1.0)))) + 1)
+                    for j, d4 in T.Parallel(HALF, D_tail // 4):
+                        idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
+                        if idx >= 0:
+                            T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
+                                           dkv_tail_stage[j, d4 * 4])
+
+                if with_dq:
                     # dQ's GEMMs after the scatter: the fire-and-forget atomics drain while the
                     # tensor cores work, instead of stalling the next block's gather
                     T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
                     T.gemm(dS_shared, KV_tail_shared, acc_dq_tail, policy=T.GemmWarpPolicy.FullCol)
 
-            T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
-            T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
+            if with_dq:
+                T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
+                T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
 
     return sparse_bwd_main
 
 
-@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def postprocess(d_qk: int, block_rows: int = 32, threads: int = 256):
-    """``dKV [B, S_kv, Dk] bf16 = bf16(fp64(dKV_acc int64) * (1 / Scale[1]))``; rows past
-    ``S_kv`` in the last CTA are neither read nor written."""
-    B = T.dynamic("B")
-    S_kv = T.dynamic("S_kv")
-    R = block_rows
-
-    @T.prim_func
-    def sparse_bwd_postprocess(
-        dKV_acc: T.Tensor([B, S_kv, d_qk], "int64"),
-        Scale: T.Tensor([2], "float32"),
-        dKV: T.Tensor([B, S_kv, d_qk], "bfloat16"),
-    ):
-        with T.Kernel(T.ceildiv(S_kv, R), B, threads=threads) as (r_blk, b_i):
-            inv = T.alloc_local([1], "float64")
-            # 1 / 2^e is exact in fp64
-            inv[0] = T.Cast("float64", 1.0) / T.Cast("float64", Scale[1])
-            for r, d in T.Parallel(R, d_qk):
-                if r_blk * R + r < S_kv:
-                    # fp64 product is exact up to 53 bits; one rounding to fp32, one to bf16
-                    dKV[b_i, r_blk * R + r, d] = T.Cast("bfloat16", T.Cast(
-                        "float32", T.Cast("float64", dKV_acc[b_i, r_blk * R + r, d]) * inv[0]))
-
-    return sparse_bwd_postprocess
-
-
-@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def slot_reduce(d_qk: int, threads: int = 144):
-    """Ordered deterministic dKV: ``dKV[b, j] += Parts[b, Perm[b, e]]`` for ``e`` from
-    ``Off[b, j]`` to ``Off[b, j + 1] - 1``, one after the other, in fp32.
-
-    ``Parts [B, R, Dk] fp32`` are the per-(query row, head group, slot) dKV rows written by
-    ``main(..., slot_partials=True)`` (``R = S * G * L``); ``Perm [B, R] int32`` sorts them by key
-    (stable, so ties stay in row order); ``Off [B, S_kv + 1] int32`` delimits each key's run.  One
-    CTA per key row, each thread 4 columns; a fixed summation order makes it bitwise repeatable.
-    """
-    assert d_qk % threads == 0 or d_qk % (threads // 2) == 0
-    B = T.dynamic("B")
-    R = T.dynamic("R")
-    S_kv = T.dynamic("S_kv")
-    S_kv1 = T.dynamic("S_kv1")
-
-    @T.prim_func
-    def sparse_bwd_slot_reduce(
-        Parts: T.Tensor([B, R, d_qk], "float32"),
-        Perm: T.Tensor([B, R], "int32"),
-        Off: T.Tensor([B, S_kv1], "int32"),
-        dKV: T.Tensor([B, S_kv, d_qk], "float32"),
-    ):
-        with T.Kernel(S_kv, B, threads=threads) as (j, b_i):
-            acc = T.alloc_fragment([d_qk], "float32")
-            for d in T.Parallel(d_qk):
-                acc[d] = dKV[b_i, j, d]
-            for e in T.serial(Off[b_i, j + 1] - Off[b_i, j]):
-                r = Perm[b_i, Off[b_i, j] + e]
-                for d in T.Parallel(d_qk):
-                    acc[d] = acc[d] + Parts[b_i, r, d]
-            for d in T.Parallel(d_qk):
-                dKV[b_i, j, d] = acc[d]
-
-    return sparse_bwd_slot_reduce
