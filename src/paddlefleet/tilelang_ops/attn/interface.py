@@ -150,7 +150,7 @@ def _d_sink(ops, attn_sink, lse2, delta):
     return -ops.sum(ops.reshape(p_sink * delta, (b * s, h)), axis=0)
 
 
-def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale, h):
+def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale):
     """Exponents ``e_j [B, S_kv]`` of the first pass's per-key grids ``g_j = 2**e_j``.
 
     A deterministic guess of each key's sum of contributions if attention were uniform: a row
@@ -166,8 +166,8 @@ def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale, h):
     kv_f = ops.cast(kv, "float32") if ops.device_kind(kv) == "cpu" else kv
     kv_rms = ops.row_norm(ops.reshape(kv_f, (1, -1))) / math.sqrt(max(1, ops.shape(kv)[0]
                                                                       * ops.shape(kv)[1] * d_k))
-    qn = ops.row_norm(q[:, :, :h])  # [B, S, H]
-    don = ops.row_norm(grad_out[:, :, :h])
+    qn = ops.row_norm(q)  # [B, S, H]
+    don = ops.row_norm(grad_out)
     w = don * don * ((qn * (kv_rms * sm_scale)) ** 2 / d_k + 1.0 / d_v)
     n_valid = ops.sum(ops.cast(valid, "float32"), axis=-1)  # [B, S]
     one = ops.full((1,), 1.0, "float32", n_valid)
@@ -176,8 +176,7 @@ def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale, h):
     top = ops.amax(c_row)
     frac_bits = 40.0 - ops.ceil(ops.log2(ops.where(top > 0, top, one)))
     c_fx = ops.cast(ops.ceil(ops.ldexp(c_row, ops.cast(frac_bits, "int32"))), "int64")
-    vals = ops.where(valid, ops.reshape(c_fx, (b, s, 1)) + ops.zeros((b, s, l), "int64", c_fx),
-                     ops.zeros((1,), "int64", c_fx))
+    vals = ops.where(valid, ops.reshape(c_fx, (b, s, 1)), ops.zeros((1,), "int64", c_fx))
     zero_idx = ops.zeros((1,), "int32", idx)
     flat_idx = ops.reshape(ops.where(valid, idx, zero_idx), (b, s * l))
     est = ops.put_along_axis(ops.zeros((b, ops.shape(kv)[1]), "int64", c_fx), flat_idx,
@@ -188,7 +187,8 @@ def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale, h):
     return e.clip(*_GRID_EXP_RANGE)
 
 
-def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, h, sm_scale):
+def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, grad_out,
+               sm_scale):
     """Deterministic dKV (fp32 ``[B, S_kv, Dk]``) and dq, exact on per-key grids.
 
     Pass 1 (``main``, exact mode, with dq): every contribution ``c`` to key ``j`` becomes the
@@ -210,7 +210,7 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, h, s
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
     valid = idx >= 0
     flat_idx = ops.reshape(ops.where(valid, idx, ops.zeros((1,), "int32", idx)), (b, s * l))
-    e = _grid_estimate(ops, q, do, kv, idx, valid, sm_scale, h)
+    e = _grid_estimate(ops, query, grad_out, kv, idx, valid, sm_scale)  # real heads only
     one = ops.full((1,), 1.0, "float32", q)
     inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
@@ -398,8 +398,8 @@ def mqa_latent_sparse_bwd(
     scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     if deterministic:
-        dkv32 = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p, scale, dq, H,
-                           sm_scale)
+        dkv32 = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p, scale, dq,
+                           ops.contiguous(query), do_c, sm_scale)
     else:
         dkv32 = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
         unused = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid

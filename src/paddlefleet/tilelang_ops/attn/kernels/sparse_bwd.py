@@ -83,7 +83,7 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
-         block_k: int = 32, threads: int = 256, num_stages: int = 1):
+         block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -124,21 +124,20 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
-    assert block_k % 2 == 0
     exact = mode == "exact"
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
     BK = block_k
-    HALF = BK // 2  # the dKV block is staged through shared memory in two halves (smem budget)
+    CW = dkv_chunk
+    STAGE_PAD = 8
     dtype = "bfloat16"
     acc_t = "float32"
     # u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum exactly in
     # int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
     U_CLAMP = float(2**40)
     EXP_CLAMP = float(2**100)
-    U_COLS = D_tail  # width of the slices the row max |k| is taken over
-    assert D % U_COLS == 0
+    assert D % CW == 0 and CW % D_tail == 0
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -170,22 +169,24 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             KV_tail_shared = T.alloc_shared([BK, D_tail], dtype)
             P_shared = T.alloc_shared([M, BK], dtype)
             dS_shared = T.alloc_shared([M, BK], dtype)
-            dkv_stage = T.alloc_shared([HALF, D], acc_t)
-            dkv_tail_stage = T.alloc_shared([HALF, D_tail], acc_t)
+            # rows padded by 8 floats: the accumulator's stores (8 rows x 8 bytes per quad of
+            # lanes) then hit distinct banks; unpadded they were 8-way bank conflicts (ncu)
+            dkv_stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
+            dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
             inv_grid = T.alloc_shared([BK], acc_t)
-            u_stage = T.alloc_shared([HALF], acc_t)
+            u_stage = T.alloc_shared([BK], acc_t)
             valid = T.alloc_fragment([BK], "bool")
 
             acc_p = T.alloc_fragment([M, BK], acc_t)
             acc_dp = T.alloc_fragment([M, BK], acc_t)
             acc_dq = T.alloc_fragment([M, D], acc_t)
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
-            acc_dkv = T.alloc_fragment([BK, D], acc_t)
+            acc_dkv = T.alloc_fragment([BK, CW], acc_t)
             acc_dkv_tail = T.alloc_fragment([BK, D_tail], acc_t)
-            # row max |k| of a staged half, 64 columns at a time (a reduce straight from the
-            # GEMM's accumulator layout does not lower)
-            u_cols = T.alloc_fragment([HALF, U_COLS], acc_t)
-            u_frag = T.alloc_fragment([HALF], acc_t)
+            # running max |k| per slot over 64-column slices of the staged chunks, reduced once
+            # per block (a reduce straight from the GEMM's accumulator layout does not lower)
+            u_cols = T.alloc_fragment([BK, D_tail], acc_t)
+            u_frag = T.alloc_fragment([BK], acc_t)
             sc = T.alloc_local([2], acc_t)
 
             h0 = g_i * M
@@ -227,54 +228,57 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                     acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
                 T.copy(acc_dp, dS_shared)
 
-                T.gemm(dS_shared, Q_shared, acc_dkv, transpose_A=True,
-                       policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                T.gemm(P_shared, dO_shared, acc_dkv, transpose_A=True,
-                       policy=T.GemmWarpPolicy.FullCol)
+                # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
+                # registers under the cap (the whole-row version spilled in the exact mode)
+                if exact:
+                    T.fill(u_cols, 0)
+                for c in T.serial(D // CW):
+                    T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                           transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                    T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                           transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                    if exact:
+                        # onto the key's grid while staging (c / g_j is exact, one rounding)
+                        for j, d in T.Parallel(BK, CW):
+                            dkv_stage[j, d] = T.round(acc_dkv[j, d] * inv_grid[j])
+                        for t in T.serial(CW // D_tail):
+                            for j, d in T.Parallel(BK, D_tail):
+                                u_cols[j, d] = T.max(u_cols[j, d],
+                                                     T.abs(dkv_stage[j, t * D_tail + d]))
+                    else:
+                        for j, d in T.Parallel(BK, CW):
+                            dkv_stage[j, d] = acc_dkv[j, d]
+                    for j, d4 in T.Parallel(BK, CW // 4):
+                        idx = Indices[b_i, s_i, k_i * BK + j]
+                        if idx >= 0:
+                            T.atomic_addx4(dKV_acc[b_i, idx, c * CW + d4 * 4],
+                                           dkv_stage[j, d4 * 4])
+
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-
                 if exact:
-                    # onto the key's grid: c / g_j is exact (power of two), one rounding
-                    for j, d in T.Parallel(BK, D):
-                        acc_dkv[j, d] = T.round(acc_dkv[j, d] * inv_grid[j])
                     for j, d in T.Parallel(BK, D_tail):
-                        acc_dkv_tail[j, d] = T.round(acc_dkv_tail[j, d] * inv_grid[j])
-
-                for half in T.serial(2):
-                    for j, d in T.Parallel(BK, D):
-                        if j < HALF:
-                            dkv_stage[j, d] = acc_dkv[half * HALF + j, d]
+                        dkv_tail_stage[j, d] = T.round(acc_dkv_tail[j, d] * inv_grid[j])
                     for j, d in T.Parallel(BK, D_tail):
-                        if j < HALF:
-                            dkv_tail_stage[j, d] = acc_dkv_tail[half * HALF + j, d]
-                    if exact:
-                        # elementwise max over the 64-column slices, then one row reduction
-                        T.copy(dkv_tail_stage, u_cols)
-                        for c in T.serial(D // U_COLS):
-                            for j, d in T.Parallel(HALF, U_COLS):
-                                u_cols[j, d] = T.max(T.abs(u_cols[j, d]),
-                                                     T.abs(dkv_stage[j, c * U_COLS + d]))
-                        T.reduce_absmax(u_cols, u_frag, dim=1)
-                        T.copy(u_frag, u_stage)
-                    for j, d4 in T.Parallel(HALF, D // 4):
-                        idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                        if idx >= 0:
-                            T.atomic_addx4(dKV_acc[b_i, idx, d4 * 4], dkv_stage[j, d4 * 4])
-                            if exact:
-                                if d4 == 0:
-                                    # one int64 add per (row, head group, slot): exact sum;
-                                    # and the exponent of the largest u, which still bounds
-                                    # it when a clamped u makes the sum too small
-                                    T.atomic_add(Bound[b_i, idx],
-                                                 T.Cast("int64", T.min(u_stage[j], U_CLAMP)))
-                                    T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
-                                        T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), 1.0)))) + 1)
-                    for j, d4 in T.Parallel(HALF, D_tail // 4):
-                        idx = Indices[b_i, s_i, k_i * BK + half * HALF + j]
-                        if idx >= 0:
-                            T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
-                                           dkv_tail_stage[j, d4 * 4])
+                        u_cols[j, d] = T.max(u_cols[j, d], T.abs(dkv_tail_stage[j, d]))
+                    T.reduce_max(u_cols, u_frag, dim=1)
+                    T.copy(u_frag, u_stage)
+                else:
+                    for j, d in T.Parallel(BK, D_tail):
+                        dkv_tail_stage[j, d] = acc_dkv_tail[j, d]
+                for j, d4 in T.Parallel(BK, D_tail // 4):
+                    idx = Indices[b_i, s_i, k_i * BK + j]
+                    if idx >= 0:
+                        T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4], dkv_tail_stage[j, d4 * 4])
+                        if exact:
+                            if d4 == 0:
+                                # one int64 add per (row, head group, slot): an exact sum;
+                                # and the exponent of the largest u, which still bounds it
+                                # when a clamped u makes the sum too small
+                                T.atomic_add(Bound[b_i, idx],
+                                             T.Cast("int64", T.min(u_stage[j], U_CLAMP)))
+                                T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
+                                    T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), 1.0)))) + 1)
 
                 if with_dq:
                     # dQ's GEMMs after the scatter: the fire-and-forget atomics drain while the

@@ -1,0 +1,107 @@
+"""Where the backward's time goes: per-kernel CUDA time of one call, and ptxas resource usage.
+
+    python3 tools/bench/profile_bwd.py [--heads 64] [--seq 4096] [--seq-kv 8192] [--topk 2048]
+                                       [--no-ptxas]
+
+1. ``nvcc -Xptxas -v`` on the lowered CUDA of the main backward kernel (exact with dQ, exact
+   re-run, atomic) for the head tile of ``--heads``: registers, spills, stack (spills inside the
+   key loop are the usual reason a variant is slow).
+2. ``torch.profiler`` around one deterministic and one atomic backward (after warm-up): the
+   CUDA time of every kernel the wrapper launches, host-side framework ops included, largest
+   first.  Needs PyTorch with CUDA and TileLang (GPU host; see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+DK, DV = 576, 512
+
+
+def ptxas_report(heads_per_cta: int) -> list[str]:
+    """One line per main-kernel flavour: registers, spill bytes, stack frame."""
+    import tilelang
+
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    tl_dir = Path(tilelang.__file__).resolve().parent
+    lines = []
+    for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):
+        args = kernels.main_args(heads_per_cta, mode, with_dq)
+        src = kernels.lower("bwd_main", args).kernel_source
+        with tempfile.TemporaryDirectory() as tmp:
+            cu = Path(tmp) / "k.cu"
+            cu.write_text(src)
+            cmd = ["nvcc", "--cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                   "-std=c++17", "-Xptxas", "-v", f"-I{tl_dir / 'src'}",
+                   f"-I{tl_dir / '3rdparty/cutlass/include'}", "-o", str(Path(tmp) / "k.cubin"),
+                   str(cu)]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        info = " ".join(ln.strip() for ln in res.stderr.splitlines()
+                        if re.search(r"registers|spill|stack frame", ln))
+        lines.append(f"[ptxas] main{args} rc={res.returncode}: {info or res.stderr[-300:]}")
+    return lines
+
+
+def profile(heads, seq, seq_kv, topk):
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    from paddlefleet.tilelang_ops.attn import interface
+    from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn((1, seq, heads, DK), generator=g, device="cuda").bfloat16()
+    kv = torch.randn((1, seq_kv, DK), generator=g, device="cuda").bfloat16()
+    do = torch.randn((1, seq, heads, DV), generator=g, device="cuda").bfloat16()
+    idx = torch.from_numpy(causal_topk_indices(1, seq, seq_kv, topk, seed=0)).cuda()
+    sm = DK ** -0.5
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, None, check_indices=False)
+    for det in (True, False):
+        call = lambda: interface.mqa_latent_sparse_bwd(  # noqa: E731
+            q, kv, out, do, lse, None, idx, sm, deterministic=det, check_indices=False)
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events) / 1e3
+        print(f"[profile] deterministic={det} H={heads} S={seq} S_kv={seq_kv} topk={topk}: "
+              f"{total:.3f} ms of kernels", flush=True)
+        for e in events[:14]:
+            print(f"[profile]   {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} "
+                  f"{e.key[:100]}", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq-kv", type=int, default=8192)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--no-ptxas", action="store_true")
+    ns = ap.parse_args(argv)
+    os.environ.setdefault("TILELANG_CACHE_DIR", str(ROOT / ".tilelang-cache"))
+    if not ns.no_ptxas and shutil.which("nvcc"):
+        from paddlefleet.tilelang_ops.attn import tiling
+
+        for line in ptxas_report(tiling.head_plan(ns.heads).heads_per_cta):
+            print(line, flush=True)
+    profile(ns.heads, ns.seq, ns.seq_kv, ns.topk)
+
+
+if __name__ == "__main__":
+    main()
