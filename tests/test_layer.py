@@ -391,6 +391,18 @@ def test_train_step_runs_and_loss_falls():
     assert "grad_norm" in res.stdout and "attn_sink" in res.stdout
 
 
+def test_train_step_packed_documents():
+    """--doc-lens: one row of packed documents (an empty one too), per-document indices, the
+    layer given cu_seqlens; the loss falls as without packing."""
+    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--doc-lens",
+                      "7,90,0,1,30", "--seq-len", "128")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("inputs: B 1, S 128, top-k 64, sm_scale 0.144338, 5 packed documents "
+            "(lengths 7,90,0,1,30)") in res.stdout, res.stdout
+    losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
+
+
 def test_train_step_exits_nonzero_on_nan():
     res = _train_step("--steps", "3", "--seq-len", "64", "--inject-nan", "1")
     assert res.returncode == 1, res.stdout + res.stderr
@@ -409,6 +421,16 @@ def test_train_step_exits_nonzero_on_nan():
         (("--lr", "inf"), "argument --lr: expected a finite number > 0, got inf"),
         (("--lr", "0"), "argument --lr: expected a finite number > 0, got 0.0"),
         (("--lr=-1e-3",), "argument --lr: expected a finite number > 0, got -0.001"),
+        (("--doc-lens", "100,-4"), "argument --doc-lens: expected comma-separated document "
+                                   "lengths >= 0 with a sum >= 1, e.g. 100,412, got [100, -4]"),
+        (("--doc-lens", "0,0"), "argument --doc-lens: expected comma-separated document "
+                                "lengths >= 0 with a sum >= 1, e.g. 100,412, got [0, 0]"),
+        (("--doc-lens", "100;412"), "argument --doc-lens: expected comma-separated document "
+                                    "lengths >= 0 with a sum >= 1, e.g. 100,412, got '100;412'"),
+        (("--doc-lens", "10,20", "--seq-len", "31"),
+         "--doc-lens sums to 30 tokens, --seq-len says 31"),
+        (("--doc-lens", "10,20", "--batch", "2"),
+         "--doc-lens packs the documents into one row: --batch must be 1, got 2"),
     ],
 )
 def test_train_step_argument_errors(args, message):
