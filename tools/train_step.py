@@ -230,9 +230,9 @@ def train(args) -> int:
         f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
         f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
         f"device {'gpu' if on_gpu else 'cpu'}")
-    log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}"
-        + ("" if cu_np is None else
-           f", {len(args.doc_lens)} packed documents (lengths {','.join(map(str, args.doc_lens))})"))
+    packed = "" if cu_np is None else (
+        f", {len(args.doc_lens)} packed documents (lengths {','.join(map(str, args.doc_lens))})")
+    log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}{packed}")
 
     status = 0
     losses = []
