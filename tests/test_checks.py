@@ -10,6 +10,8 @@ import pytest
 from paddlefleet.tilelang_ops.attn.checks import (
     Dims,
     check_compute_dtype,
+    check_cu_seqlens,
+    check_indices_in_documents,
     check_sm_scale,
     validate_inputs,
 )
@@ -304,3 +306,70 @@ def test_check_compute_dtype():
         check_compute_dtype("bfloat16")
     with pytest.raises(TypeError, match="^dtype: expected 'float32' or 'float64', got type"):
         check_compute_dtype(np.float32)
+
+
+# --- packed documents: cu_seqlens and in-document indices --------------------------------------
+def test_check_cu_seqlens_accepts_tensors_and_arrays():
+    cu = np.array([0, 3, 3, 10], np.int32)
+    for value in (cu, pytest.importorskip("paddle").to_tensor(cu)):
+        got = check_cu_seqlens(value, 10)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, cu)
+    assert check_cu_seqlens(cu)[-1] == 10  # no S given: any end
+
+
+@pytest.mark.parametrize(
+    "value,exc,pattern",
+    [
+        ([0, 4, 10], TypeError, "^cu_seqlens: expected an int32 paddle.Tensor, torch.Tensor or "
+                                r"numpy.ndarray \[num_docs \+ 1\], got list"),
+        (np.array([0, 4, 10], np.int64), TypeError, "^cu_seqlens: expected dtype int32, got int64"),
+        (np.array([0.0, 4.0, 10.0]), TypeError, "^cu_seqlens: expected dtype int32, got float64"),
+        (np.array([[0, 4, 10]], np.int32), ValueError,
+         r"^cu_seqlens: expected 1 dim \[num_docs \+ 1\] with num_docs >= 1, got shape \[1, 3\]"),
+        (np.array([0], np.int32), ValueError, r"^cu_seqlens: expected 1 dim.*got shape \[1\]"),
+        (np.array([1, 4, 10], np.int32), ValueError,
+         r"^cu_seqlens: expected cu_seqlens\[0\] == 0, got 1"),
+        (np.array([0, 4, 6, 5, 10], np.int32), ValueError,
+         r"^cu_seqlens: expected non-decreasing values, got cu_seqlens\[3\]=5 < cu_seqlens\[2\]=6 "
+         r"\(document 2 would have length -1\)"),
+        (np.array([0, 4, 9], np.int32), ValueError,
+         r"^cu_seqlens: expected cu_seqlens\[-1\] == S=10 \(the packed rows\), got 9"),
+        (np.array([0, 4, 11], np.int32), ValueError, r"^cu_seqlens: expected cu_seqlens\[-1\] == S=10"),
+    ],
+)
+def test_check_cu_seqlens_errors(value, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        check_cu_seqlens(value, 10)
+
+
+@pytest.mark.parametrize("framework", ["paddle", "torch"])
+def test_check_indices_in_documents(rng, framework):
+    mod = pytest.importorskip(framework)
+    to_t = (lambda a: mod.to_tensor(a)) if framework == "paddle" else mod.from_numpy
+    cu = np.array([0, 4, 4, 9, 16], np.int64)  # documents [0, 4), [4, 4) empty, [4, 9), [9, 16)
+    S, L = 16, 5
+    doc = np.repeat(np.arange(4), np.diff(cu))
+    lo, hi = cu[doc][:, None], cu[doc + 1][:, None]
+    # random keys of the row's own document, both ends included, and -1 slots
+    idx = (lo + rng.integers(0, 1 << 20, (S, L)) % (hi - lo)).astype(np.int32)
+    idx[rng.random((S, L)) < 0.3] = -1
+    idx[4, 0], idx[8, 1], idx[9, 2], idx[15, 3] = 4, 8, 9, 15
+    check_indices_in_documents(to_t(idx[None]), cu)
+    check_indices_in_documents(to_t(idx[None].astype(np.int64)), cu)
+
+    for row, key, d, rows in ((12, 8, 3, "[9, 16)"), (6, 9, 2, "[4, 9)"), (2, 4, 0, "[0, 4)"),
+                              (5, 3, 2, "[4, 9)"), (0, 16, 0, "[0, 4)"), (7, -2, 2, "[4, 9)")):
+        bad = idx.copy()
+        bad[row, 1] = key
+        bad[14, 4] = 0  # a second bad row, after the first: the message names the first
+        with pytest.raises(ValueError, match=(
+                rf"^token_indices: row {row} \(document {d}, rows {re.escape(rows)} of cu_seqlens\) "
+                rf"holds key {key}, outside its document \(2 such row\(s\)\); with cu_seqlens every "
+                r"index must be -1 or a row of the query's own document$")):
+            check_indices_in_documents(to_t(bad[None]), cu)
+
+    with pytest.raises(ValueError, match=r"^token_indices: packed documents need B=1.*\[2, 16, 5\]"):
+        check_indices_in_documents(to_t(np.stack([idx, idx])), cu)
+    with pytest.raises(ValueError, match=r"^token_indices: expected S = cu_seqlens\[-1\] = 16 rows"):
+        check_indices_in_documents(to_t(idx[None, :15]), cu)

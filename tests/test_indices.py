@@ -1,4 +1,4 @@
-"""attn/indices.py: causal top-k indices."""
+"""attn/indices.py: causal top-k indices, per document for packed batches too."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 
 from paddlefleet.tilelang_ops.attn import indices as indices_mod
-from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+from paddlefleet.tilelang_ops.attn.indices import (
+    causal_topk_indices,
+    cu_seqlens_from_lengths,
+    varlen_causal_topk_indices,
+)
 
 
 def check_rows(idx, S, S_kv, topk, rows=None):
@@ -102,3 +106,106 @@ def test_bad_arguments(kwargs, exc, pattern):
         causal_topk_indices(
             args["batch"], args["seq_len"], args["seq_len_kv"], args["topk"], **extra
         )
+
+
+# --- packed documents ------------------------------------------------------------------------
+def test_cu_seqlens_from_lengths():
+    cu = cu_seqlens_from_lengths([100, 412, 0, 1])
+    assert cu.dtype == np.int32
+    np.testing.assert_array_equal(cu, [0, 100, 512, 512, 513])
+    np.testing.assert_array_equal(cu_seqlens_from_lengths((7,)), [0, 7])
+
+
+@pytest.mark.parametrize(
+    "lengths,exc,pattern",
+    [
+        ([], ValueError, "^lengths: expected at least one document length, got none"),
+        ("12", TypeError, "^lengths: expected a sequence of ints, got str"),
+        (5, TypeError, "^lengths: expected a sequence of ints, got int"),
+        ([3, 2.0], TypeError, r"^lengths\[1\]: expected a Python int, got float"),
+        ([3, 4, -1], ValueError, r"^lengths\[2\]: expected a length >= 0, got -1"),
+        ([0, 0], ValueError, "^lengths: expected a total of 1 .. 2147483647 tokens.*got 0"),
+        ([2**31 - 1, 1], ValueError, "^lengths: expected a total of 1 .. 2147483647.*2147483648"),
+    ],
+)
+def test_cu_seqlens_from_lengths_errors(lengths, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        cu_seqlens_from_lengths(lengths)
+
+
+def check_documents(idx, cu, topk):
+    """Every row's keys lie in its own document, causal there: the rules of check_rows on
+    each document's block, shifted to start at 0."""
+    assert idx.shape == (1, int(cu[-1]), topk)
+    for d in range(len(cu) - 1):
+        a, b = int(cu[d]), int(cu[d + 1])
+        block = idx[:, a:b]
+        shifted = np.where(block >= 0, block - a, -1)
+        check_rows(shifted, b - a, b - a, topk)
+
+
+@pytest.mark.parametrize(
+    "lengths,topk",
+    [([1, 23, 0, 7, 2, 40], 8), ([5], 5), ([3, 3, 3], 16), ([1, 1, 1, 1], 1), ([0, 9, 0], 4),
+     ([200, 3, 61], 32)],
+)
+def test_varlen_rows_stay_in_their_document(rng, lengths, topk):
+    cu = cu_seqlens_from_lengths(lengths)
+    seed = int(rng.integers(1 << 30))
+    idx = varlen_causal_topk_indices(cu, topk, seed=seed)
+    assert idx.dtype == np.int32
+    check_documents(idx, cu, topk)
+    # The first row of every non-empty document sees only itself.
+    for d in range(len(lengths)):
+        if lengths[d]:
+            a = int(cu[d])
+            assert idx[0, a, 0] == a and (idx[0, a, 1:] == -1).all()
+
+
+def test_varlen_one_document_is_causal_topk_shape_and_rules(rng):
+    """With one document the rules are those of causal_topk_indices (S = S_kv)."""
+    S, topk = 30, 6
+    idx = varlen_causal_topk_indices(np.array([0, S], np.int32), topk, seed=3)
+    check_rows(idx, S, S, topk)
+
+
+def test_varlen_seed_dtype_and_tensor_input():
+    paddle = pytest.importorskip("paddle")
+    cu = cu_seqlens_from_lengths([12, 5, 30])
+    a = varlen_causal_topk_indices(cu, 8, seed=4)
+    np.testing.assert_array_equal(a, varlen_causal_topk_indices(cu, 8, seed=4))
+    assert not np.array_equal(a, varlen_causal_topk_indices(cu, 8, seed=5))
+    b = varlen_causal_topk_indices(cu, 8, seed=4, dtype="int64")
+    assert b.dtype == np.int64
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, varlen_causal_topk_indices(paddle.to_tensor(cu), 8, seed=4))
+    # A document's block depends on its own length and position, not on the others' lengths.
+    c = varlen_causal_topk_indices(cu_seqlens_from_lengths([12, 9, 30]), 8, seed=4)
+    np.testing.assert_array_equal(a[:, :12], c[:, :12])
+
+
+@pytest.mark.parametrize(
+    "cu,kwargs,exc,pattern",
+    [
+        ([0, 4, 9], {}, TypeError, "^cu_seqlens: expected an int32 paddle.Tensor, torch.Tensor or "
+                                   "numpy.ndarray"),
+        (np.array([0, 4, 9]), {}, TypeError, "^cu_seqlens: expected dtype int32, got int64"),
+        (np.array([2, 4, 9], np.int32), {}, ValueError,
+         r"^cu_seqlens: expected cu_seqlens\[0\] == 0, got 2"),
+        (np.array([0, 4, 3, 9], np.int32), {}, ValueError,
+         r"^cu_seqlens: expected non-decreasing values, got cu_seqlens\[2\]=3 < cu_seqlens\[1\]=4"),
+        (np.array([0], np.int32), {}, ValueError, r"^cu_seqlens: expected 1 dim \[num_docs \+ 1\]"),
+        (np.array([0, 0], np.int32), {}, ValueError, "^cu_seqlens: expected cu_seqlens.-1. = S >= 1"),
+        (np.array([0, 4], np.int32), dict(topk=0), ValueError, "^topk: expected a positive int"),
+        (np.array([0, 4], np.int32), dict(seed=-2), ValueError, "^seed: expected an int >= 0"),
+        (np.array([0, 4], np.int32), dict(seed=1.0), TypeError, "^seed: expected a Python int"),
+        (np.array([0, 4], np.int32), dict(dtype="int8"), ValueError,
+         "^dtype: expected 'int32' or 'int64', got 'int8'"),
+    ],
+)
+def test_varlen_bad_arguments(cu, kwargs, exc, pattern):
+    args = dict(topk=4)
+    args.update(kwargs)
+    topk = args.pop("topk")
+    with pytest.raises(exc, match=pattern):
+        varlen_causal_topk_indices(cu, topk, **args)

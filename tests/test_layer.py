@@ -22,7 +22,11 @@ paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips th
 from conftest import REPO_ROOT, rel_l2  # noqa: E402
 
 from paddlefleet.tilelang_ops.attn.config import get_preset
-from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+from paddlefleet.tilelang_ops.attn.indices import (
+    causal_topk_indices,
+    cu_seqlens_from_lengths,
+    varlen_causal_topk_indices,
+)
 from paddlefleet.tilelang_ops.attn.layer import (
     REPLICATED,
     SHARD_AXIS,
@@ -238,6 +242,133 @@ def test_training_steps_reduce_a_loss(rng):
         assert not np.array_equal(p.numpy(), full[name]), name
 
 
+# --- packed documents (cu_seqlens) ---------------------------------------------------------
+def _float64_layer(cfg, full):
+    """The layer in fp64 (built under Paddle's fp64 default dtype; the sink stays fp32, as the
+    layer and the op want it)."""
+    old = paddle.get_default_dtype()
+    paddle.set_default_dtype("float64")
+    try:
+        layer = MQALatentAttention(cfg)
+    finally:
+        paddle.set_default_dtype(old)
+    layer.load_full_weights(full)
+    assert layer.wq_a.dtype == paddle.float64
+    return layer
+
+
+def _run_layer(layer, x_np, idx, gy, cu=None):
+    x = paddle.to_tensor(x_np, stop_gradient=False)
+    y = layer(x, paddle.to_tensor(idx), cu_seqlens=cu)
+    (y * paddle.to_tensor(gy)).sum().backward()
+    grads = {name: p.grad.astype("float64").numpy() for name, p in layer.named_parameters()}
+    layer.clear_gradients()
+    return y.numpy(), x.grad.numpy(), grads
+
+
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+def test_packed_equals_documents_alone_float64(rng, sink):
+    """A packed batch (B = 1, RoPE restarting per document, per-document causal indices) equals
+    each document run alone, stacked: the output and dx row for row, every parameter gradient
+    as the sum over the documents.  fp64 on CPU, <= 1e-6 relative (measured ~6e-16; the fp32
+    sink's gradient, rounded to fp32 per call, ~5e-8)."""
+    lengths = [1, 23, 0, 7, 2, 40, 3]  # very different lengths, an empty document
+    cfg, full, _, _, _ = _case(rng, sink=sink, heads=16, topk=12)
+    cu = cu_seqlens_from_lengths(lengths)
+    S = int(cu[-1])
+    x = rng.standard_normal((1, S, cfg.hidden_size))
+    gy = rng.standard_normal((1, S, cfg.hidden_size))
+    idx = varlen_causal_topk_indices(cu, cfg.index_topk, seed=int(rng.integers(1 << 30)))
+    layer = _float64_layer(cfg, full)
+
+    y, dx, grads = _run_layer(layer, x, idx, gy, cu=paddle.to_tensor(cu))
+    ys, dxs, sums = [], [], {name: 0.0 for name in grads}
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        doc_idx = np.where(idx[:, a:b] >= 0, idx[:, a:b] - a, -1).astype(np.int32)
+        y_d, dx_d, g_d = _run_layer(layer, x[:, a:b], doc_idx, gy[:, a:b])  # alone, no cu
+        ys.append(y_d)
+        dxs.append(dx_d)
+        for name in sums:
+            sums[name] = sums[name] + g_d[name]
+    errors = {"y": rel_l2(y, np.concatenate(ys, 1)), "dx": rel_l2(dx, np.concatenate(dxs, 1))}
+    for name, g in grads.items():
+        errors["grad." + name] = rel_l2(g, sums[name])
+        assert np.abs(g).max() > 0, name  # a real gradient, not zeros
+    assert set(errors) - {"y", "dx"} == {"grad." + k for k in full}
+    bad = {k: e for k, e in errors.items() if not e <= 1e-6}
+    assert not bad, f"rel L2 above 1e-6: {bad}"
+    # Tighter, and what shows the RoPE restart: RoPE scores depend only on position differences,
+    # so shifted positions change the math by nothing but the rounding of the (fp32) angle
+    # table; restarting at 0 gives each document exactly its lone run's table, so the fp64
+    # parts agree to fp64 rounding (measured ~6e-16), while positions 0..S-1 over the whole
+    # row leave ~1e-7.
+    tight = {k: e for k, e in errors.items() if k != "grad.attn_sink" and not e <= 1e-12}
+    assert not tight, f"rel L2 above 1e-12: {tight}"
+    y_flat, _, _ = _run_layer(layer, x, idx, gy)
+    assert rel_l2(y_flat, np.concatenate(ys, 1)) > 1e-10
+
+
+def test_packed_rope_positions_restart_per_document():
+    layer = MQALatentAttention(get_preset("deepseek_v32_small"))
+    x = paddle.zeros([1, 12, layer.config.hidden_size])
+    cu, pos = layer._packed_positions(x, paddle.to_tensor(np.array([0, 3, 3, 10, 12], np.int32)))
+    np.testing.assert_array_equal(pos, [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 0, 1])
+    assert cu.dtype == np.int32 and cu.tolist() == [0, 3, 3, 10, 12]
+
+
+def test_one_document_equals_no_cu_seqlens(rng):
+    cfg, full, x, idx, gy = _case(rng, B=1, S=20, topk=8)
+    layer = MQALatentAttention(cfg)
+    layer.load_full_weights(full)
+    y0, dx0, g0 = _run_layer(layer, x, idx, gy)
+    y1, dx1, g1 = _run_layer(layer, x, idx, gy, cu=np.array([0, 20], np.int32))
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(dx1, dx0)
+    for name in g0:
+        np.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
+
+
+def test_packed_errors(rng):
+    cfg = get_preset("deepseek_v32_small", backward_backend="reference")
+    layer = MQALatentAttention(cfg)
+    cu = cu_seqlens_from_lengths([5, 9, 2])
+    x = paddle.to_tensor(rng.standard_normal((1, 16, cfg.hidden_size)).astype(np.float32))
+    idx = varlen_causal_topk_indices(cu, 6, seed=int(rng.integers(1 << 30)))
+    t = paddle.to_tensor
+    layer(x, t(idx), cu_seqlens=t(cu))  # good
+    cases = [
+        (t(cu.astype(np.int64)), TypeError, "^cu_seqlens: expected dtype int32, got int64"),
+        (t(cu.astype(np.float32)), TypeError, "^cu_seqlens: expected dtype int32, got float32"),
+        ([0, 5, 14, 16], TypeError, "^cu_seqlens: expected an int32 paddle.Tensor.*got list"),
+        (t(np.array([2, 5, 14, 16], np.int32)), ValueError,
+         r"^cu_seqlens: expected cu_seqlens\[0\] == 0, got 2"),
+        (t(np.array([0, 5, 4, 16], np.int32)), ValueError,
+         r"^cu_seqlens: expected non-decreasing values, got cu_seqlens\[2\]=4 < cu_seqlens\[1\]=5"),
+        (t(np.array([0, 5, 14, 15], np.int32)), ValueError,
+         r"^cu_seqlens: expected cu_seqlens\[-1\] == S=16 \(the packed rows\), got 15"),
+        (t(np.array([0, 5, 14, 17], np.int32)), ValueError,
+         r"^cu_seqlens: expected cu_seqlens\[-1\] == S=16"),
+        (t(np.array([[0, 16]], np.int32)), ValueError, r"^cu_seqlens: expected 1 dim"),
+    ]
+    for value, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            layer(x, t(idx), cu_seqlens=value)
+    with pytest.raises(ValueError, match=r"^hidden_states: packed documents \(cu_seqlens\) need "
+                                         r"B=1.*\[2, 16, 256\]"):
+        layer(paddle.concat([x, x]), t(np.concatenate([idx, idx])), cu_seqlens=t(cu))
+    bad = idx.copy()
+    bad[0, 14, 1] = 13  # row 14: document 2, rows [14, 16); key 13 is document 1's last row
+    with pytest.raises(ValueError, match=r"^token_indices: row 14 \(document 2, rows \[14, 16\) "
+                                         r"of cu_seqlens\) holds key 13, outside its document"):
+        layer(x, t(bad), cu_seqlens=t(cu))
+    bad[0, 5, 0] = 4  # row 5 (document 1, rows [5, 14)) sees key 4: now the first bad row
+    with pytest.raises(ValueError, match=r"^token_indices: row 5 \(document 1, rows \[5, 14\).*"
+                                         r"key 4.*\(2 such row\(s\)\)"):
+        layer(x, t(bad), cu_seqlens=t(cu))
+
+
 # --- tools/train_step.py (the main job), single process ------------------------------------
 TRAIN_STEP = REPO_ROOT / "tools" / "train_step.py"
 
@@ -260,6 +391,18 @@ def test_train_step_runs_and_loss_falls():
     assert "grad_norm" in res.stdout and "attn_sink" in res.stdout
 
 
+def test_train_step_packed_documents():
+    """--doc-lens: one row of packed documents (an empty one too), per-document indices, the
+    layer given cu_seqlens; the loss falls as without packing."""
+    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--doc-lens",
+                      "7,90,0,1,30", "--seq-len", "128")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("inputs: B 1, S 128, top-k 64, sm_scale 0.144338, 5 packed documents "
+            "(lengths 7,90,0,1,30)") in res.stdout, res.stdout
+    losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
+
+
 def test_train_step_exits_nonzero_on_nan():
     res = _train_step("--steps", "3", "--seq-len", "64", "--inject-nan", "1")
     assert res.returncode == 1, res.stdout + res.stderr
@@ -278,6 +421,16 @@ def test_train_step_exits_nonzero_on_nan():
         (("--lr", "inf"), "argument --lr: expected a finite number > 0, got inf"),
         (("--lr", "0"), "argument --lr: expected a finite number > 0, got 0.0"),
         (("--lr=-1e-3",), "argument --lr: expected a finite number > 0, got -0.001"),
+        (("--doc-lens", "100,-4"), "argument --doc-lens: expected comma-separated document "
+                                   "lengths >= 0 with a sum >= 1, e.g. 100,412, got [100, -4]"),
+        (("--doc-lens", "0,0"), "argument --doc-lens: expected comma-separated document "
+                                "lengths >= 0 with a sum >= 1, e.g. 100,412, got [0, 0]"),
+        (("--doc-lens", "100;412"), "argument --doc-lens: expected comma-separated document "
+                                    "lengths >= 0 with a sum >= 1, e.g. 100,412, got '100;412'"),
+        (("--doc-lens", "10,20", "--seq-len", "31"),
+         "--doc-lens sums to 30 tokens, --seq-len says 31"),
+        (("--doc-lens", "10,20", "--batch", "2"),
+         "--doc-lens packs the documents into one row: --batch must be 1, got 2"),
     ],
 )
 def test_train_step_argument_errors(args, message):

@@ -17,6 +17,10 @@ import pytest
 paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
 from conftest import rel_l2
 
+from paddlefleet.tilelang_ops.attn.indices import (
+    cu_seqlens_from_lengths,
+    varlen_causal_topk_indices,
+)
 from paddlefleet.tilelang_ops.attn.op import (
     SparseMQAAttentionFunction,
     resolve_backward_backend,
@@ -283,3 +287,132 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     assert rel_l2(kv16.grad, rkv.grad) < 1e-2
     if sink:
         assert rel_l2(tsk.grad, rsk.grad) < 1e-2
+
+
+# --- packed documents (B = 1, cu_seqlens) -----------------------------------------------------
+def _packed(rng, lengths, H=8, Dk=80, d_v=64, L=12):
+    cu = cu_seqlens_from_lengths(lengths)
+    S = int(cu[-1])
+    q = rng.standard_normal((1, S, H, Dk))
+    kv = rng.standard_normal((1, S, Dk))
+    idx = varlen_causal_topk_indices(cu, L, seed=int(rng.integers(1 << 30)))
+    sk = rng.standard_normal(H).astype(np.float32)
+    grad = rng.standard_normal((1, S, H, d_v))
+    return cu, q, kv, idx, sk, grad, d_v
+
+
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+def test_packed_equals_documents_alone_float64(rng, sink):
+    """One packed call (B = 1, indices inside each document) equals every document run alone,
+    stacked along S: out, dq, dkv, and d_sink summed over the documents."""
+    cu, q, kv, idx, sk, grad, d_v = _packed(rng, [1, 30, 0, 7, 2, 19])
+    sk = sk if sink else None
+    scale = 80**-0.5 * 2.0
+    tcu = paddle.to_tensor(cu)
+    tq = paddle.to_tensor(q, stop_gradient=False)
+    tkv = paddle.to_tensor(kv, stop_gradient=False)
+    tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=False)
+    out = sparse_mqa_attention(tq, tkv, paddle.to_tensor(idx), scale, tsk, d_v=d_v,
+                               cu_seqlens=tcu)
+    (out * paddle.to_tensor(grad)).sum().backward()
+    assert out.dtype == paddle.float64
+
+    outs, dqs, dkvs, dsink = [], [], [], 0.0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        doc_idx = np.where(idx[:, a:b] >= 0, idx[:, a:b] - a, -1)
+        o, dq_, dkv_, ds_ = _run_op(q[:, a:b], kv[:, a:b], doc_idx, sk, grad[:, a:b], d_v, scale)
+        outs.append(o.numpy())
+        dqs.append(dq_.grad.numpy())
+        dkvs.append(dkv_.grad.numpy())
+        if sk is not None:
+            dsink = dsink + ds_.grad.numpy().astype(np.float64)
+    assert rel_l2(out, np.concatenate(outs, 1)) <= 1e-12
+    assert rel_l2(tq.grad, np.concatenate(dqs, 1)) <= 1e-12
+    assert rel_l2(tkv.grad, np.concatenate(dkvs, 1)) <= 1e-12
+    if sk is not None:  # d_sink is rounded to the sink's fp32, per call
+        assert rel_l2(tsk.grad, dsink) <= 1e-6
+    # and cu_seqlens changes nothing but the checks: the same call without it is identical
+    plain = sparse_mqa_attention(paddle.to_tensor(q), paddle.to_tensor(kv), paddle.to_tensor(idx),
+                                 scale, None if sk is None else paddle.to_tensor(sk), d_v=d_v)
+    np.testing.assert_array_equal(plain.numpy(), out.numpy())
+
+
+def test_packed_errors(rng):
+    cu, q, kv, idx, sk, grad, d_v = _packed(rng, [6, 10, 4])
+    t = paddle.to_tensor
+
+    def call(idx_=idx, cu_=cu, q_=q, kv_=kv):
+        return sparse_mqa_attention(t(q_), t(kv_), t(idx_), 0.1, t(sk), d_v=d_v, cu_seqlens=cu_)
+
+    call(cu_=t(cu))  # numpy and Paddle cu_seqlens both work
+    with pytest.raises(TypeError, match="^cu_seqlens: expected dtype int32, got int64"):
+        call(cu_=t(cu.astype(np.int64)))
+    with pytest.raises(TypeError, match="^cu_seqlens: expected an int32 paddle.Tensor.*got list"):
+        call(cu_=cu.tolist())
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected cu_seqlens\[0\] == 0, got 1"):
+        call(cu_=np.array([1, 6, 16, 20], np.int32))
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected non-decreasing values, got "
+                                         r"cu_seqlens\[2\]=5 < cu_seqlens\[1\]=6"):
+        call(cu_=np.array([0, 6, 5, 20], np.int32))
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected cu_seqlens\[-1\] == S=20 "
+                                         r"\(the packed rows\), got 16"):
+        call(cu_=np.array([0, 6, 16], np.int32))
+    with pytest.raises(ValueError, match="^query: packed documents .cu_seqlens. need B=1"):
+        call(q_=np.concatenate([q, q]), kv_=np.concatenate([kv, kv]),
+             idx_=np.concatenate([idx, idx]))
+    with pytest.raises(ValueError, match=r"^kv: with cu_seqlens expected S_kv = S = 20.*got S_kv=21"):
+        call(kv_=np.concatenate([kv, kv[:, :1]], 1))
+    # a key of the previous document, the row's own start stays fine
+    bad = idx.copy()
+    bad[0, 9, 3] = 5  # row 9 is in document 1, rows [6, 16)
+    bad[0, 17, 0] = 15  # row 17 is in document 2, rows [16, 20): a second bad row
+    with pytest.raises(ValueError, match=r"^token_indices: row 9 \(document 1, rows \[6, 16\) of "
+                                         r"cu_seqlens\) holds key 5, outside its document \(2 such"):
+        call(idx_=bad)
+    # the range check comes first on CPU (validate_inputs' value checks)
+    bad[0, 2, 0] = 20
+    with pytest.raises(ValueError, match=r"^token_indices: expected values -1 .empty slot. or in "
+                                         r"\[0, S_kv=20\)"):
+        call(idx_=bad)
+
+
+def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
+    """On CUDA the op leaves the index range check to the kernel wrapper (validate_inputs runs
+    with check_values=False); the in-document check must still run there, before the kernel.
+    Simulated: the op sees its tensors as CUDA ones and a stand-in ``interface`` runs the
+    reference."""
+    from paddlefleet.tilelang_ops.attn import op as op_mod
+
+    cu, q, kv, idx, sk, grad, d_v = _packed(rng, [5, 11])
+    launched = []
+
+    def fake_fwd(query, kv_, token_indices, sm_scale, attn_sink=None, d_v=512, **kwargs):
+        launched.append("fwd")
+        return sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=d_v)
+
+    fake = types.ModuleType("paddlefleet.tilelang_ops.attn.interface")
+    fake.mqa_latent_sparse_fwd = fake_fwd
+    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", fake)
+    real_ops_for = op_mod.ops_for
+
+    def cuda_ops_for(*ts):
+        ops = real_ops_for(*ts)
+        ops = types.SimpleNamespace(**{k: getattr(ops, k) for k in ("name", "dtype", "cast")})
+        ops.device_kind = lambda t: "cuda"
+        return ops
+
+    monkeypatch.setattr(op_mod, "ops_for", cuda_ops_for)
+    t = paddle.to_tensor
+    bad = idx.copy()
+    bad[0, 7, 0] = 2  # row 7 is in document 1, rows [5, 16)
+    with pytest.raises(ValueError, match=r"^token_indices: row 7 \(document 1"):
+        sparse_mqa_attention(t(q), t(kv), t(bad), 0.1, t(sk), "reference", d_v=d_v,
+                             cu_seqlens=cu)
+    assert launched == []
+    out = sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(sk), "reference", d_v=d_v,
+                               cu_seqlens=cu)
+    assert launched == ["fwd"]
+    ref, _ = sparse_mqa_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)  # as the stand-in
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())

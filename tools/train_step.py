@@ -12,13 +12,19 @@ Examples:
     PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small
     # the same, heads split over 4 ranks (re-launches itself with paddle.distributed.launch)
     PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small --nproc 4
+    # packed documents of 100, 412 and 0 tokens in one row (B = 1, cu_seqlens, per-document
+    # causal top-k indices, RoPE restarting in each document)
+    PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small --doc-lens 100,412,0
     # Hopper GPU with paddlepaddle-gpu + tilelang-paddle: DeepSeek-V3.2 attention shape
     # (S = 4096, top-k 2048, 128 heads, Dk 576 / Dv 512), TileLang forward and backward
     python tools/train_step.py --config deepseek_v32 --backward-backend tilelang
 
 Defaults: on CPU the small preset, batch 1, 512 tokens; on a GPU the DeepSeek-V3.2 preset,
 batch 1, 4096 tokens.  The top-k width is ``min(config.index_topk, seq_len)``; indices come
-from ``causal_topk_indices`` (random causal keys; the DSA indexer is out of scope).
+from ``causal_topk_indices`` (random causal keys; the DSA indexer is out of scope).  With
+``--doc-lens`` the row packs documents of those lengths (``S`` = their sum, ``B`` = 1); indices
+come from ``varlen_causal_topk_indices`` and the default top-k width is
+``min(config.index_topk, longest document)``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ _positive_int = _arg_type(int, lambda v: v >= 1, "an int >= 1")
 _non_negative_int = _arg_type(int, lambda v: v >= 0, "an int >= 0")  # numpy seeds
 # finite and > 0: rejects nan, inf, 0 and negatives
 _positive_float = _arg_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+# "100,412,0": document lengths, empty documents allowed, at least one token in all
+_doc_lens = _arg_type(lambda text: [int(n) for n in text.split(",")],
+                      lambda v: min(v) >= 0 and sum(v) >= 1,
+                      "comma-separated document lengths >= 0 with a sum >= 1, e.g. 100,412")
 
 
 def _parse(argv=None):
@@ -87,7 +97,19 @@ def _parse(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
                    help="put a NaN into the input at this step (tests the non-finite exit)")
-    return p.parse_args(argv)
+    p.add_argument("--doc-lens", type=_doc_lens, default=None, metavar="N,N,...",
+                   help="pack documents of these lengths into one row (B 1, S = their sum, "
+                        "cu_seqlens, per-document causal top-k)")
+    args = p.parse_args(argv)
+    if args.doc_lens is not None:
+        total = sum(args.doc_lens)
+        if args.seq_len is not None and args.seq_len != total:
+            p.error(f"--doc-lens sums to {total} tokens, --seq-len says {args.seq_len}; "
+                    "give one of them (or equal values)")
+        if args.batch != 1:
+            p.error(f"--doc-lens packs the documents into one row: --batch must be 1, got "
+                    f"{args.batch}")
+    return args
 
 
 def _relaunch(args, argv) -> int:
@@ -164,7 +186,11 @@ def train(args) -> int:
     import paddle.distributed as dist
     from tqdm import tqdm
 
-    from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+    from paddlefleet.tilelang_ops.attn.indices import (
+        causal_topk_indices,
+        cu_seqlens_from_lengths,
+        varlen_causal_topk_indices,
+    )
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
 
     on_gpu = _use_gpu(args.device)
@@ -183,18 +209,30 @@ def train(args) -> int:
     S = args.seq_len if args.seq_len is not None else (4096 if on_gpu else 512)
     L = args.topk if args.topk is not None else min(cfg.index_topk, S)
     B = args.batch
+    cu_np = cu_seqlens = None
+    if args.doc_lens is not None:  # packed documents (_parse checked B 1 and --seq-len)
+        cu_np = cu_seqlens_from_lengths(args.doc_lens)
+        S = int(cu_np[-1])
+        L = args.topk if args.topk is not None else min(cfg.index_topk, max(args.doc_lens))
+        # on the host: the layer reads it for RoPE positions and checks only (no device sync)
+        cu_seqlens = paddle.to_tensor(cu_np, place=paddle.CPUPlace())
 
     layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=layer.parameters())
     rng = np.random.default_rng(args.seed + 1)  # same inputs on every rank
     x = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
     target = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
-    idx = paddle.to_tensor(causal_topk_indices(B, S, S, L, seed=args.seed + 2))
+    if cu_np is None:
+        idx = paddle.to_tensor(causal_topk_indices(B, S, S, L, seed=args.seed + 2))
+    else:
+        idx = paddle.to_tensor(varlen_causal_topk_indices(cu_np, L, seed=args.seed + 2))
     log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
         f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
         f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
         f"device {'gpu' if on_gpu else 'cpu'}")
-    log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}")
+    packed = "" if cu_np is None else (
+        f", {len(args.doc_lens)} packed documents (lengths {','.join(map(str, args.doc_lens))})")
+    log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}{packed}")
 
     status = 0
     losses = []
@@ -204,7 +242,7 @@ def train(args) -> int:
         if step == args.inject_nan:
             x_step = x.clone()
             x_step[0, 0, 0] = float("nan")
-        y = layer(x_step, idx)
+        y = layer(x_step, idx, cu_seqlens=cu_seqlens)
         loss = ((y - target) ** 2).mean()
         loss.backward()
         norms = _grad_norms(layer, layer.group)

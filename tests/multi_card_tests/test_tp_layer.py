@@ -5,7 +5,9 @@ group); every rank loads its slice of the same full weights and writes its outpu
 gradient and parameter gradients to an npz.  Here they are compared with a single-process run:
 output and dx must be the full single-process tensors on every rank, replicated-weight
 gradients the full gradients, per-rank gradients (wq_b, w_uk, w_uv, wo, attn_sink) the rank's
-slice of the full gradients.  Run alone with ``pytest tests/multi_card_tests``.
+slice of the full gradients.  The ``*_packed`` cases pack documents of very different lengths
+into one row (B = 1, ``cu_seqlens``; tests/test_layer.py shows the single-process packed run
+equals each document alone).  Run alone with ``pytest tests/multi_card_tests``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from paddlefleet.tilelang_ops.attn.layer import shard_of
 pytestmark = pytest.mark.multicard
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
-#: (TP degree, cases run in that one launch); 64 heads at TP 2/4/8, 48 heads (6 per rank) at 8.
-RUNS = {2: ("h64", "h64_nosink"), 4: ("h64",), 8: ("h64", "h48")}
+#: (TP degree, cases run in that one launch); 64 heads at TP 2/4/8, 48 heads (6 per rank) at 8;
+#: packed documents (B = 1, cu_seqlens) at TP 2 and 8.
+RUNS = {2: ("h64", "h64_nosink", "h64_packed"), 4: ("h64",), 8: ("h64", "h48", "h48_packed")}
 #: fp32 with a different summation order (all-reduce of partial sums) only.
 TOL = 2e-6
 
@@ -75,6 +78,6 @@ def test_tp_matches_single_process(tp, case):
 
 def test_single_process_gradients_are_not_trivial():
     # Guards the comparison above against passing on zeros: every gradient carries signal.
-    for case in ("h64", "h48"):
+    for case in ("h64", "h48", "h64_packed", "h48_packed"):
         for key, value in _single(case).items():
             assert np.isfinite(value).all() and np.abs(value).max() > 0, f"{case} {key}"

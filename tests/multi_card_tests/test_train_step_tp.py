@@ -34,9 +34,14 @@ def _run(*extra):
     return lines, [float(v) for line in lines for v in FLOAT.findall(line)]
 
 
-def test_train_step_tensor_parallel_matches_single_process():
-    lines, single = _run()
+@pytest.mark.parametrize(
+    "extra,nproc",
+    [((), 4), (("--doc-lens", "30,2,0,96"), 2)],  # packed documents: cu_seqlens through TP
+    ids=["unpacked-tp4", "packed-tp2"],
+)
+def test_train_step_tensor_parallel_matches_single_process(extra, nproc):
+    lines, single = _run(*extra)
     assert len(lines) == 4 and len(single) == 2 * (2 + 9), lines  # 2 steps: loss, total, 9 params
-    tp_lines, tp = _run("--nproc", "4", "--timeout", "120")
+    tp_lines, tp = _run(*extra, "--nproc", str(nproc), "--timeout", "120")
     assert len(tp) == len(single), tp_lines
     assert tp == pytest.approx(single, rel=1e-3), "\n".join(tp_lines + lines)

@@ -11,7 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from paddlefleet.tilelang_ops.attn.config import get_preset
-from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+from paddlefleet.tilelang_ops.attn.indices import (
+    causal_topk_indices,
+    cu_seqlens_from_lengths,
+    varlen_causal_topk_indices,
+)
 from paddlefleet.tilelang_ops.attn.layer import REPLICATED, init_full_weights
 
 #: name -> config overrides of the small preset.  64 heads give 8 per rank at TP=8; 48 heads
@@ -21,8 +25,12 @@ CASES = {
     "h64": dict(num_attention_heads=64, use_attn_sink=True),
     "h64_nosink": dict(num_attention_heads=64, use_attn_sink=False),
     "h48": dict(num_attention_heads=48, use_attn_sink=True),
+    "h64_packed": dict(num_attention_heads=64, use_attn_sink=True),
+    "h48_packed": dict(num_attention_heads=48, use_attn_sink=False),
 }
 BATCH, SEQ, TOPK = 2, 48, 32
+#: Packed cases: B = 1, documents of these lengths (sum SEQ) back to back, cu_seqlens given.
+DOC_LENS = {"h64_packed": [3, 1, 25, 0, 19], "h48_packed": [30, 2, 16]}
 
 
 def case_config(name: str, tp: int):
@@ -37,7 +45,8 @@ def case_config(name: str, tp: int):
 
 
 def case_inputs(name: str):
-    """(full weights, x [B,S,hidden], token_indices [B,S,L], grad_y [B,S,hidden]) as numpy."""
+    """(full weights, x [B,S,hidden], token_indices [B,S,L], grad_y [B,S,hidden], cu_seqlens)
+    as numpy; ``cu_seqlens`` is ``None`` except for the packed cases (B = 1 there)."""
     cfg = case_config(name, 1)
     full = init_full_weights(cfg, seed=11)
     rng = np.random.default_rng(123)
@@ -45,10 +54,19 @@ def case_inputs(name: str):
     for key in REPLICATED:
         if key.endswith("norm_weight"):
             full[key] = (1.0 + 0.1 * rng.standard_normal(full[key].shape)).astype(np.float32)
-    x = rng.standard_normal((BATCH, SEQ, cfg.hidden_size)).astype(np.float32)
-    idx = causal_topk_indices(BATCH, SEQ, SEQ, TOPK, seed=5)  # early rows are -1 padded
-    grad_y = rng.standard_normal((BATCH, SEQ, cfg.hidden_size)).astype(np.float32)
-    return full, x, idx, grad_y
+    cu = None
+    batch = BATCH
+    if name in DOC_LENS:
+        cu = cu_seqlens_from_lengths(DOC_LENS[name])
+        assert int(cu[-1]) == SEQ
+        batch = 1
+    x = rng.standard_normal((batch, SEQ, cfg.hidden_size)).astype(np.float32)
+    if cu is None:
+        idx = causal_topk_indices(BATCH, SEQ, SEQ, TOPK, seed=5)  # early rows are -1 padded
+    else:
+        idx = varlen_causal_topk_indices(cu, TOPK, seed=5)  # causal inside each document
+    grad_y = rng.standard_normal((batch, SEQ, cfg.hidden_size)).astype(np.float32)
+    return full, x, idx, grad_y, cu
 
 
 def run_case(name: str, tp: int, group=None) -> dict:
@@ -58,11 +76,11 @@ def run_case(name: str, tp: int, group=None) -> dict:
 
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
 
-    full, x_np, idx_np, gy_np = case_inputs(name)
+    full, x_np, idx_np, gy_np, cu = case_inputs(name)
     layer = MQALatentAttention(case_config(name, tp), group=group)
     layer.load_full_weights(full)
     x = paddle.to_tensor(x_np, stop_gradient=False)
-    y = layer(x, paddle.to_tensor(idx_np))
+    y = layer(x, paddle.to_tensor(idx_np), cu_seqlens=None if cu is None else paddle.to_tensor(cu))
     (y * paddle.to_tensor(gy_np)).sum().backward()
     out = {"y": y.numpy(), "dx": x.grad.numpy()}
     for pname, p in layer.named_parameters():

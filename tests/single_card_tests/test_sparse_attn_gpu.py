@@ -4,7 +4,9 @@ Driven with PyTorch CUDA tensors (the GPU host has no Paddle GPU build); skipped
 Every case compares against the fp32 reference (``attn/reference.py``) by relative L2 error,
 runs every kernel on outputs poisoned with NaN and framed by sentinel guard regions
 (:class:`GuardedKernels`), checks bitwise repeatability of the deterministic backward and that
-the deterministic and atomic backward agree within rounding.
+the deterministic and atomic backward agree within rounding.  Packed documents (B = 1,
+``cu_seqlens``, per-document causal indices) of very different lengths are checked against the
+reference and against each document run alone.
 
 Tolerance: bf16 inputs and outputs put the error floor at ~2e-3 (out), ~2.4e-3 (dQ, dKV),
 ~1.8e-3 (d_sink) relative L2 (measured on H200, docs/validation.md); 1e-2 leaves room
@@ -20,6 +22,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import cuda_available, rel_l2
@@ -30,7 +33,12 @@ if cuda_available():
     import torch
 
     from paddlefleet.tilelang_ops.attn import interface, tiling
-    from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
+    from paddlefleet.tilelang_ops.attn.checks import check_cu_seqlens, check_indices_in_documents
+    from paddlefleet.tilelang_ops.attn.indices import (
+        causal_topk_indices,
+        cu_seqlens_from_lengths,
+        varlen_causal_topk_indices,
+    )
     from paddlefleet.tilelang_ops.attn.reference import sparse_mqa_bwd_ref, sparse_mqa_fwd_ref
 
 TOL = 1e-2
@@ -226,6 +234,86 @@ def test_against_reference(case):
     assert rel_l2(dq2.float(), dq.float()) < 1e-3 and rel_l2(dkv2.float(), dkv.float()) < 1e-3
     if sink is not None:
         assert rel_l2(ds2, ds) < 1e-4
+
+
+# Packed documents (B = 1, cu_seqlens, the THD layout): the kernels take them as they are, with
+# per-document causal indices.  Specialisations as in CASES (H=64 and H=16, default block_h,
+# default deterministic backward), so no new kernel is compiled.
+PACKED_CASES = [
+    # a document longer than top-k beside documents of 1..600 rows and an empty one
+    dict(id="H64_L2048_sink_docs", H=64, L=2048, sink=True, lengths=[2500, 1, 37, 0, 600, 3]),
+    # one long document, the others tiny
+    dict(id="H16_L640_docs", H=16, L=640, sink=False, lengths=[1, 900, 5, 130, 2, 64]),
+]
+
+
+def _packed_inputs(case, seed):
+    cu = cu_seqlens_from_lengths(case["lengths"])
+    S, H = int(cu[-1]), case["H"]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((1, S, H, DK), generator=g, device="cuda").to(torch.bfloat16)
+    kv = torch.randn((1, S, DK), generator=g, device="cuda").to(torch.bfloat16)
+    do = torch.randn((1, S, H, DV), generator=g, device="cuda").to(torch.bfloat16)
+    sink = None
+    if case["sink"]:
+        sink = (torch.randn((H,), generator=g, device="cuda") + 1.0).float()
+    idx = torch.from_numpy(varlen_causal_topk_indices(cu, case["L"], seed=seed)).to("cuda")
+    return cu, q, kv, do, sink, idx
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=[c["id"] for c in PACKED_CASES])
+def test_packed_documents_against_reference(case):
+    """A packed batch of documents of very different lengths: out, lse, dq, dkv and d_sink
+    against the fp32 reference; every document's rows equal that document run alone; the
+    in-document check of the op runs on CUDA tensors."""
+    seed = zlib.crc32(case["id"].encode())
+    cu, q, kv, do, sink, idx = _packed_inputs(case, seed)
+    S = int(cu[-1])
+    np.testing.assert_array_equal(check_cu_seqlens(torch.from_numpy(cu).cuda(), S), cu)
+    check_indices_in_documents(idx, cu)
+    bad = idx.clone()
+    bad[0, S - 1, 0] = 0  # the last row (last document) points at the first document
+    with pytest.raises(ValueError, match=rf"^token_indices: row {S - 1} \(document "
+                                         rf"{len(cu) - 2}, .* holds key 0, outside its document"):
+        check_indices_in_documents(bad, cu)
+
+    prov = GuardedKernels()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
+    dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
+                                                  provider=prov)
+    ref_out, ref_lse = sparse_mqa_fwd_ref(q, kv, idx, SM_SCALE, sink)
+    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    for t in (out, lse, dq, dkv, ds):
+        assert not torch.isnan(t).any()
+    assert bool(torch.isfinite(lse).all())  # every row sees at least itself
+    errs = dict(out=rel_l2(out.float(), ref_out), lse=rel_l2(lse, ref_lse),
+                dq=rel_l2(dq.float(), ref_dq), dkv=rel_l2(dkv.float(), ref_dkv))
+    if sink is not None:  # measured against the summed magnitudes, as in test_against_reference
+        ref_lse_all = torch.logaddexp(ref_lse, sink.view(1, 1, -1))
+        terms = torch.exp(sink.view(1, 1, -1) - ref_lse_all) * (ref_out * do.float()).sum(-1)
+        errs["d_sink"] = float((ds - ref_ds).norm() / terms.abs().sum((0, 1)).norm())
+    else:
+        assert bool((ds == 0).all())
+
+    # Each document alone (its rows, its keys, indices shifted to start at 0).  Rows and keys
+    # of one document never meet another's, so the packed slices equal the lone runs up to the
+    # dKV grids (the packed run's per-key grid guess sees the whole kv) and bf16 rounding.
+    for d, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:
+            continue
+        idx_d = torch.where(idx[:, a:b] >= 0, idx[:, a:b] - a, idx[:, a:b])
+        q_d, kv_d, do_d = q[:, a:b].contiguous(), kv[:, a:b].contiguous(), do[:, a:b].contiguous()
+        out_d, lse_d = interface.mqa_latent_sparse_fwd(q_d, kv_d, idx_d, SM_SCALE, sink)
+        dq_d, dkv_d, _ = interface.mqa_latent_sparse_bwd(q_d, kv_d, out_d, do_d, lse_d, sink,
+                                                         idx_d, SM_SCALE)
+        for name, packed, alone in (("out", out[:, a:b], out_d), ("lse", lse[:, a:b], lse_d),
+                                    ("dq", dq[:, a:b], dq_d), ("dkv", dkv[:, a:b], dkv_d)):
+            errs[f"{name}_doc{d}_vs_alone"] = rel_l2(packed.float(), alone.float())
+    print(f"\n[{case['id']}] " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for k, v in errs.items():
+        limit = TOL / 10 if k.endswith("_vs_alone") else TOL
+        assert v < limit, f"{k}: relative L2 error {v:.3e} >= {limit}"
+    assert dq.shape == q.shape and dkv.shape == kv.shape
 
 
 def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):

@@ -19,8 +19,10 @@ _EXPORTS = {
     # input validation shared by every public entry point
     "validate_inputs": "checks",
     "Dims": "checks",
-    # top-k indices for tests and demos
+    # top-k indices for tests and demos (packed documents too)
     "causal_topk_indices": "indices",
+    "varlen_causal_topk_indices": "indices",
+    "cu_seqlens_from_lengths": "indices",
     # Paddle autograd op, model config and tensor-parallel layer
     "sparse_mqa_attention": "op",
     "MLAAttentionConfig": "config",

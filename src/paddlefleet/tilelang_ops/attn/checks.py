@@ -26,6 +26,12 @@ caller needs (the backward needs ``out``, ``grad_out`` and ``lse``), and a missi
 
 Every message names the argument, what was expected and what was got.  The layout of the checks
 follows the usual entry-point style of attention kernels (ndim, device, dtype, shape).
+
+Packed variable-length documents (the THD layout: ``B = 1``, documents back to back along the
+rows, their boundaries in ``cu_seqlens``) add two checks: :func:`check_cu_seqlens` (the
+boundaries themselves, read to the host) and :func:`check_indices_in_documents` (every top-k
+index stays inside its query's own document; a value check, run where the index range check
+runs).
 """
 
 from __future__ import annotations
@@ -39,7 +45,14 @@ import numpy as np
 
 from .adapter import framework_of, ops_for
 
-__all__ = ["Dims", "validate_inputs", "check_sm_scale", "check_compute_dtype"]
+__all__ = [
+    "Dims",
+    "validate_inputs",
+    "check_sm_scale",
+    "check_compute_dtype",
+    "check_cu_seqlens",
+    "check_indices_in_documents",
+]
 
 _INDEX_DTYPES = ("int32", "int64")
 _OPTIONAL = ("attn_sink", "out", "grad_out", "lse")
@@ -318,3 +331,110 @@ def check_compute_dtype(dtype: Any, name: str = "dtype") -> str:
     if dtype not in ("float32", "float64"):
         raise ValueError(f"{name}: expected 'float32' or 'float64', got {dtype!r}")
     return dtype
+
+
+def check_cu_seqlens(cu_seqlens: Any, seq_len: int | None = None, *,
+                     name: str = "cu_seqlens") -> np.ndarray:
+    """Check the boundaries of packed documents and return them as a host array.
+
+    Document ``d`` holds rows ``cu_seqlens[d] .. cu_seqlens[d+1] - 1`` (FlashAttention's varlen
+    convention); a document may be empty (two equal boundaries).
+
+    Args:
+        cu_seqlens: ``[num_docs + 1]`` int32, a ``paddle.Tensor`` / ``torch.Tensor`` on any
+            device (read back to the host: a device sync for a GPU tensor, none for a CPU one)
+            or a ``numpy.ndarray``; starts at 0, non-decreasing.
+        seq_len: the packed length ``S`` it must end at, or ``None`` (any end).
+        name: the argument's name in messages.
+
+    Returns:
+        ``numpy.ndarray [num_docs + 1]`` int64 (a copy).
+
+    Raises:
+        TypeError: not a tensor or numpy array, or its dtype is not int32.
+        ValueError: not 1-D with at least 2 entries, ``cu_seqlens[0] != 0``, a decrease (the
+            first one is named), or ``cu_seqlens[-1] != seq_len``.
+    """
+    if isinstance(cu_seqlens, np.ndarray):
+        shape, dtype = cu_seqlens.shape, cu_seqlens.dtype.name
+        to_host = lambda: np.array(cu_seqlens, dtype=np.int64)  # noqa: E731
+    elif framework_of(cu_seqlens) is not None:
+        ops = ops_for(cu_seqlens)
+        shape, dtype = ops.shape(cu_seqlens), ops.dtype(cu_seqlens)
+        to_host = lambda: np.asarray(ops.to_numpy(cu_seqlens), dtype=np.int64)  # noqa: E731
+    else:
+        raise TypeError(
+            f"{name}: expected an int32 paddle.Tensor, torch.Tensor or numpy.ndarray "
+            f"[num_docs + 1], got {type(cu_seqlens).__name__}"
+        )
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(
+            f"{name}: expected 1 dim [num_docs + 1] with num_docs >= 1, got shape {_fmt(shape)}"
+        )
+    if dtype != "int32":
+        raise TypeError(f"{name}: expected dtype int32, got {dtype}")
+    cu = to_host()
+    if cu[0] != 0:
+        raise ValueError(f"{name}: expected {name}[0] == 0, got {int(cu[0])}")
+    drops = np.flatnonzero(np.diff(cu) < 0)
+    if drops.size:
+        i = int(drops[0])
+        raise ValueError(
+            f"{name}: expected non-decreasing values, got {name}[{i + 1}]={int(cu[i + 1])} < "
+            f"{name}[{i}]={int(cu[i])} (document {i} would have length {int(cu[i + 1] - cu[i])})"
+        )
+    if seq_len is not None and cu[-1] != seq_len:
+        raise ValueError(
+            f"{name}: expected {name}[-1] == S={int(seq_len)} (the packed rows), got "
+            f"{int(cu[-1])}"
+        )
+    return cu
+
+
+def check_indices_in_documents(token_indices: Any, cu_seqlens: np.ndarray, *,
+                               name: str = "token_indices") -> None:
+    """Every top-k index of a packed batch points inside its query's own document.
+
+    A value check: it reads one int per row back to the host (a device sync for a GPU tensor),
+    so callers run it where they run the index range check.
+
+    Args:
+        token_indices: ``[1, S, L]`` int32/int64 tensor (Paddle or PyTorch, any device); ``-1``
+            is an empty slot and always allowed.
+        cu_seqlens: the checked host boundaries from :func:`check_cu_seqlens`, ending at ``S``.
+        name: the argument's name in messages.
+
+    Raises:
+        ValueError: ``B != 1``, ``S`` differs from ``cu_seqlens[-1]``, or an index outside its
+            row's document (the first bad row, its document and the offending key are named).
+    """
+    ops = ops_for(token_indices)
+    B, S, _ = ops.shape(token_indices)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    if B != 1:
+        raise ValueError(
+            f"{name}: packed documents need B=1 (all documents back to back in one row), got "
+            f"shape {_fmt(ops.shape(token_indices))}"
+        )
+    if int(cu[-1]) != S:
+        raise ValueError(
+            f"{name}: expected S = cu_seqlens[-1] = {int(cu[-1])} rows, got shape "
+            f"{_fmt(ops.shape(token_indices))}"
+        )
+    doc = np.repeat(np.arange(cu.size - 1), np.diff(cu))  # document of every row
+    idt = ops.dtype(token_indices)
+    lo = ops.from_numpy(cu[doc].astype(idt).reshape(1, S, 1), like=token_indices)
+    hi = ops.from_numpy(cu[doc + 1].astype(idt).reshape(1, S, 1), like=token_indices)
+    outside = (token_indices != -1) & ((token_indices < lo) | (token_indices >= hi))
+    per_row = np.asarray(ops.to_numpy(ops.sum(ops.cast(outside, "int32"), axis=-1)))[0]
+    bad = np.flatnonzero(per_row)
+    if bad.size:
+        s = int(bad[0])
+        d, a, b = int(doc[s]), int(cu[doc[s]]), int(cu[doc[s] + 1])
+        row = np.asarray(ops.to_numpy(token_indices[0, s]), dtype=np.int64)
+        key = int(row[(row != -1) & ((row < a) | (row >= b))][0])
+        raise ValueError(
+            f"{name}: row {s} (document {d}, rows [{a}, {b}) of cu_seqlens) holds key {key}, "
+            f"outside its document ({bad.size} such row(s)); with cu_seqlens every index must "
+            f"be -1 or a row of the query's own document"
+        )

@@ -4,6 +4,10 @@ In DeepSeek Sparse Attention the indexer picks, for every query row, the ``topk`
 attend to; causality is carried by that choice alone (``docs/conventions.md``, "Causality").
 The indexer itself is out of scope, so :func:`causal_topk_indices` stands in for it with a
 uniformly random choice of distinct causal keys.
+
+Packed variable-length documents (B = 1, documents back to back, boundaries in ``cu_seqlens``)
+get theirs from :func:`varlen_causal_topk_indices`: causal inside each document, never across
+a boundary; :func:`cu_seqlens_from_lengths` turns document lengths into ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import numbers
 
 import numpy as np
 
-__all__ = ["causal_topk_indices"]
+from .checks import check_cu_seqlens
+
+__all__ = ["causal_topk_indices", "varlen_causal_topk_indices", "cu_seqlens_from_lengths"]
 
 # Rows drawn per step: bounds the [B, rows, max(S_kv, topk)] float32 random block (~64 MiB).
 _ROW_BUDGET_ELEMS = 16 << 20
@@ -98,4 +104,95 @@ def causal_topk_indices(
         pick = np.take_along_axis(pick, order, axis=-1)
         pick[pick > pos[None, :, None]] = -1
         out[:, s0:s1] = pick
+    return out
+
+
+def cu_seqlens_from_lengths(lengths) -> np.ndarray:
+    """``cu_seqlens`` of packed documents with the given lengths: ``[0, n0, n0 + n1, ...]``.
+
+    Args:
+        lengths: a non-empty sequence of Python ints ``>= 0`` (0 = an empty document) whose sum
+            is ``>= 1`` and fits int32.
+
+    Returns:
+        ``numpy.ndarray [len(lengths) + 1]`` int32.
+
+    Raises:
+        TypeError: ``lengths`` is a string or not a sequence, or an entry is not an int.
+        ValueError: ``lengths`` is empty, an entry is negative, or the sum is 0 or past int32
+            (the first bad entry is named).
+    """
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise TypeError(f"lengths: expected a sequence of ints, got {type(lengths).__name__}")
+    if len(lengths) == 0:
+        raise ValueError("lengths: expected at least one document length, got none")
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"lengths[{i}]: expected a Python int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"lengths[{i}]: expected a length >= 0, got {n}")
+    cu = np.concatenate([[0], np.cumsum([int(n) for n in lengths], dtype=np.int64)])
+    if cu[-1] < 1 or cu[-1] > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"lengths: expected a total of 1 .. {np.iinfo(np.int32).max} tokens (int32 "
+            f"cu_seqlens), got {int(cu[-1])}"
+        )
+    return cu.astype(np.int32)
+
+
+def varlen_causal_topk_indices(
+    cu_seqlens,
+    topk: int,
+    *,
+    seed: int = 0,
+    dtype: str = "int32",
+) -> np.ndarray:
+    """Random per-document causal top-k indices of packed documents (B = 1).
+
+    Row ``t`` of document ``d`` (rows ``a = cu_seqlens[d] <= t < cu_seqlens[d+1]``) may see
+    the keys ``a .. t`` of its own document only: it holds ``min(topk, t - a + 1)`` distinct
+    keys drawn uniformly from those, in random order, then ``-1`` padding up to ``topk``.  Each
+    document's block is :func:`causal_topk_indices` of that document alone (``S = S_kv`` = its
+    length), shifted by ``a``; the same arguments always give the same array.
+
+    Args:
+        cu_seqlens: ``[num_docs + 1]`` int32 boundaries (numpy array or tensor, see
+            ``checks.check_cu_seqlens``): starts at 0, non-decreasing; ``S = cu_seqlens[-1]``
+            must be ``>= 1``.  Empty documents are allowed.
+        topk: slots per row ``L >= 1``.
+        seed: seed ``>= 0``; document ``d`` draws from its own generator ``(seed, d)``.
+        dtype: ``"int32"`` or ``"int64"``.
+
+    Returns:
+        ``numpy.ndarray [1, S, topk]`` of ``dtype``.
+
+    Raises:
+        TypeError: ``cu_seqlens`` not an int32 tensor/array, ``topk`` or ``seed`` not an int,
+            or ``dtype`` not a string.
+        ValueError: bad ``cu_seqlens`` (see ``checks.check_cu_seqlens``), ``S = 0``,
+            ``topk < 1``, ``seed < 0``, or ``dtype`` not int32/int64.
+    """
+    cu = check_cu_seqlens(cu_seqlens)
+    L = _positive_int(topk, "topk")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed}")
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
+    if dtype not in ("int32", "int64"):
+        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+    S = int(cu[-1])
+    if S < 1:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] = S >= 1 packed rows, got {S}")
+
+    out = np.full((1, S, L), -1, dtype=dtype)
+    for d in range(cu.size - 1):
+        a, b = int(cu[d]), int(cu[d + 1])
+        if b == a:
+            continue
+        # One generator per document: its block does not depend on the other documents.
+        doc_seed = int(np.random.SeedSequence([int(seed), d]).generate_state(1)[0])
+        block = causal_topk_indices(1, b - a, b - a, L, seed=doc_seed, dtype="int64")
+        out[:, a:b] = np.where(block >= 0, block + a, -1)
     return out

@@ -32,6 +32,16 @@ Simplifications (documented, not hidden):
       ``wkv_a``.  No YaRN scaling.
     * Self-attention over one sequence: keys are the same ``S`` positions (``S_kv = S``).
 
+Packed documents (``forward(..., cu_seqlens=...)``, the THD layout): ``B = 1`` and the
+documents lie back to back along ``S``.  The only per-document parts of the block are the RoPE
+positions, which restart at 0 in every document, and the keys each row attends to, which the
+top-k indices must keep inside the row's own document (checked by the op, with its other value
+checks).  Everything else acts row by row, so a packed forward and backward equal each document
+run alone (``tests/test_layer.py``, to fp64 rounding).  RoPE scores depend only on position
+differences, so the restart changes no score in exact arithmetic; it gives every document the
+rotation tables of its lone run (the fp32 angles of a late document in a long packed row would
+otherwise lose precision) and the positions a document-aware model expects.
+
 Parameters are created in Paddle's default dtype (fp32); ``attn_sink`` is always fp32.  On
 CUDA the attention inputs are cast to bf16 (the kernel's dtype) and the output back.
 """
@@ -41,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from .checks import check_cu_seqlens
 from .config import MLAAttentionConfig
 from .op import sparse_mqa_attention
 from .tp import (
@@ -161,6 +172,13 @@ class MQALatentAttention(paddle.nn.Layer):
             dtype when the layer was built, fp32 normally).
         token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
             (``L`` is usually ``config.index_topk``; causality is carried by the indices).
+        cu_seqlens: ``None``, or the ``[num_docs + 1]`` int32 boundaries of documents packed
+            into the one row of a ``B = 1`` batch (a ``paddle.Tensor`` on any place, best the
+            CPU, or a ``numpy.ndarray``): starts at 0, non-decreasing, ends at ``S``; document
+            ``d`` is rows ``cu_seqlens[d] .. cu_seqlens[d+1] - 1``.  RoPE positions restart at
+            0 in every document, and every index of a row must be ``-1`` or a row of its own
+            document (``indices.varlen_causal_topk_indices`` builds such indices).  The same on
+            every TP rank.
         Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
 
     Raises:
@@ -169,6 +187,11 @@ class MQALatentAttention(paddle.nn.Layer):
             (fp32 by default), or ``token_indices`` not a paddle.Tensor.
         ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
             or ``token_indices`` not ``[B, S, L]``; index values as in the op.
+        TypeError (forward, with ``cu_seqlens``): ``cu_seqlens`` not an int32 tensor/array.
+        ValueError (forward, with ``cu_seqlens``): ``cu_seqlens`` not 1-D with >= 2 entries,
+            not starting at 0, decreasing or not ending at ``S`` (checked before any
+            projection), ``B != 1``, or an index outside its query's document (raised by the
+            op's value checks; the message names the first bad row).
     """
 
     def __init__(self, config: MLAAttentionConfig, group=None, seed: int = 0):
@@ -255,12 +278,34 @@ class MQALatentAttention(paddle.nn.Layer):
                 f"got shape {list(token_indices.shape)}"
             )
 
-    def forward(self, hidden_states: paddle.Tensor, token_indices: paddle.Tensor) -> paddle.Tensor:
+    def _packed_positions(self, hidden_states, cu_seqlens):
+        """``(cu_seqlens as a host int32 array, RoPE positions [S])``: positions count from 0
+        in every document."""
+        B, S, _ = hidden_states.shape
+        cu = check_cu_seqlens(cu_seqlens, S)
+        if B != 1:
+            raise ValueError(
+                f"hidden_states: packed documents (cu_seqlens) need B=1, all documents back to "
+                f"back in one row, got shape {list(hidden_states.shape)}"
+            )
+        starts = np.repeat(cu[:-1], np.diff(cu))  # first row of every row's document
+        return cu.astype(np.int32), np.arange(S) - starts
+
+    def forward(
+        self,
+        hidden_states: paddle.Tensor,
+        token_indices: paddle.Tensor,
+        cu_seqlens=None,
+    ) -> paddle.Tensor:
         c = self.config
         self._check_forward_inputs(hidden_states, token_indices)
         B, S, _ = hidden_states.shape
         h, nope, rope = self.num_local_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        positions = np.arange(S)
+        if cu_seqlens is None:
+            positions = np.arange(S)
+        else:
+            # Read to the host once; the op gets the host copy (no second device read).
+            cu_seqlens, positions = self._packed_positions(hidden_states, cu_seqlens)
 
         # Query path: replicated down-projection, then this rank's heads.
         c_q = _rms_norm(paddle.matmul(hidden_states, self.wq_a), self.q_norm_weight, c.rms_norm_eps)
@@ -285,7 +330,7 @@ class MQALatentAttention(paddle.nn.Layer):
             query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
         o_lat = sparse_mqa_attention(
             query, kv, token_indices, c.sm_scale, self.attn_sink, c.backward_backend,
-            d_v=c.kernel_dv,
+            d_v=c.kernel_dv, cu_seqlens=cu_seqlens,
         )
         o_lat = o_lat.astype(compute_dtype)
 

@@ -20,7 +20,12 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .adapter import ops_for
-from .checks import check_sm_scale, validate_inputs
+from .checks import (
+    check_cu_seqlens,
+    check_indices_in_documents,
+    check_sm_scale,
+    validate_inputs,
+)
 from .config import BACKWARD_BACKENDS
 
 __all__ = ["sparse_mqa_attention", "SparseMQAAttentionFunction", "resolve_backward_backend"]
@@ -139,6 +144,27 @@ class SparseMQAAttentionFunction(PyLayer):
         return tuple(grads)
 
 
+def _check_packed(dims, token_indices, cu_seqlens) -> None:
+    """The packed-documents checks of the forward (see :func:`sparse_mqa_attention`).
+
+    The forward always checks index values (on CPU in ``validate_inputs``, on CUDA in the
+    kernel wrapper, ``check_indices=True``); the in-document check is one of them and runs on
+    every device.  The backward reuses the checked indices and checks nothing.
+    """
+    cu = check_cu_seqlens(cu_seqlens, dims.S)
+    if dims.B != 1:
+        raise ValueError(
+            f"query: packed documents (cu_seqlens) need B=1, all documents back to back in one "
+            f"row, got B={dims.B}"
+        )
+    if dims.S_kv != dims.S:
+        raise ValueError(
+            f"kv: with cu_seqlens expected S_kv = S = {dims.S} (the packed tokens are both the "
+            f"queries and the keys), got S_kv={dims.S_kv}"
+        )
+    check_indices_in_documents(token_indices, cu)
+
+
 def sparse_mqa_attention(
     query: paddle.Tensor,
     kv: paddle.Tensor,
@@ -148,6 +174,7 @@ def sparse_mqa_attention(
     backward_backend: str | None = None,
     *,
     d_v: int = 512,
+    cu_seqlens=None,
 ) -> paddle.Tensor:
     """Sparse MQA-latent attention (DeepSeek-V3.2 DSA, absorbed MLA) with an attention sink,
     differentiable with respect to ``query``, ``kv`` and ``attn_sink``.
@@ -171,6 +198,27 @@ def sparse_mqa_attention(
             ``"reference"`` on CPU).  It chooses the *backward* only: on CUDA the forward is
             always the TileLang kernel (see the limit below).
         d_v: value width ``Dv`` (keyword only; 512 = DeepSeek-V3.2's ``kv_lora_rank``).
+        cu_seqlens: ``[num_docs + 1]`` int32 boundaries of packed documents (keyword only), or
+            ``None``; a ``paddle.Tensor`` on any place or a ``numpy.ndarray``, starting at 0,
+            non-decreasing, ending at ``S``.  Only checked, never read by the kernels (see
+            "Packed documents").
+
+    Packed documents (the THD layout): several variable-length documents packed back to back
+    in one row are a call with ``B = 1``, ``S_kv = S`` (the same packed tokens are queries and
+    keys) and top-k indices that stay inside each query's own document; the math needs nothing
+    else, because every key a row attends to comes from its indices.  For a query row ``t`` of
+    document ``d`` (rows ``cu_seqlens[d] <= t < cu_seqlens[d+1]``) every index is ``-1`` or in
+    ``[cu_seqlens[d], cu_seqlens[d+1])``; ``indices.varlen_causal_topk_indices`` builds such
+    indices.  Passing ``cu_seqlens`` makes the forward check exactly that, alongside its other
+    value checks (one more device->host read on CUDA).  Documents of 100 and 412 tokens::
+
+        from paddlefleet.tilelang_ops.attn.indices import (
+            cu_seqlens_from_lengths, varlen_causal_topk_indices)
+        cu = cu_seqlens_from_lengths([100, 412])                      # int32 [0, 100, 512]
+        idx = paddle.to_tensor(varlen_causal_topk_indices(cu, 64))    # [1, 512, 64]
+        out = sparse_mqa_attention(q, kv, idx, scale, sink, cu_seqlens=cu)
+        # q [1, 512, H, Dk], kv [1, 512, Dk]: out[:, :100] equals the first document run
+        # alone (q[:, :100], kv[:, :100]), out[:, 100:] the second (indices shifted by -100)
 
     CUDA limit: the forward on CUDA tensors always runs the TileLang kernel, which is built for
     ``(Dk, Dv) = (576, 512)`` only (``tiling.SUPPORTED_DIMS``) and bf16 inputs.  Any other head
@@ -188,6 +236,10 @@ def sparse_mqa_attention(
             ``> 0``, an unknown ``backward_backend``, or ``"tilelang"`` on CPU tensors.
             On CUDA also (from the kernel's forward, whatever ``backward_backend``):
             ``ValueError`` for ``(Dk, Dv) != (576, 512)``, ``TypeError`` for non-bf16 inputs.
+            With ``cu_seqlens``: ``TypeError`` when it is not an int32 tensor/array;
+            ``ValueError`` when it is not 1-D with >= 2 entries, does not start at 0, decreases,
+            does not end at ``S``, when ``B != 1`` or ``S_kv != S``, or when an index points
+            outside its query's document (the message names the first such row).
 
     Gradients: ``dq`` in ``query``'s dtype, ``dkv`` in ``kv``'s dtype, ``d_sink`` fp32 (zero
     contribution from rows whose weight is all on the sink); see docs/conventions.md.
@@ -199,10 +251,12 @@ def sparse_mqa_attention(
     device_kind = ops.device_kind(query)
     backend = resolve_backward_backend(backward_backend, device_kind)
     # Reading the index range back syncs the GPU stream; the CUDA wrapper does its own checks.
-    validate_inputs(
+    dims = validate_inputs(
         query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
         check_values=device_kind != "cuda",
     )
+    if cu_seqlens is not None:
+        _check_packed(dims, token_indices, cu_seqlens)
     return SparseMQAAttentionFunction.apply(
         query, kv, token_indices, attn_sink, sm_scale, d_v, backend, device_kind
     )
