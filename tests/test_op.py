@@ -244,7 +244,7 @@ def test_bf16_on_cpu_keeps_dtypes(rng):
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
 def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sink):
     """The op's CUDA path through the real host wrappers (``interface.py``: validation, head
-    padding, LSE bridge, ordered deterministic dKV), with the five kernels replaced by the CPU
+    padding, LSE bridge, exact deterministic dKV), with the three kernels replaced by the CPU
     stand-ins of tests/test_interface.py.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels take."""
     from test_interface import CpuStandIn
 
@@ -273,10 +273,9 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
     kinds = [c[0] for c in stand_in.calls]
-    # The deterministic backward's default (det_method="ordered"): dKV rows per slot, then a
-    # fixed-order reduction by key.
-    assert kinds == ["fwd", "pre", "main", "reduce"], stand_in.calls
-    assert stand_in.calls[2][-2:] == (True, "slots"), stand_in.calls
+    # The deterministic backward: the exact-grid first pass (with dq), then its re-run.
+    assert kinds == ["fwd", "pre", "main", "main"], stand_in.calls
+    assert [c[-2:] for c in stand_in.calls[2:]] == [("exact", True), ("exact", False)]
 
     # fp32 reference on the same bf16-rounded inputs; bf16 outputs, so ~1e-2 relative.
     ref_out, rq, rkv, rsk = _run_op(

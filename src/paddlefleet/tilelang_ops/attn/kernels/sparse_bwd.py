@@ -9,28 +9,18 @@ Run in this order by ``attn/interface.py``:
                  clamped indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2``
                  base-2, sink-inclusive, finite), then ``dP = dO V^T``, ``dS = P (dP - Delta)
                  sm_scale``, ``dQ += dS K`` (registers, written once at the end: deterministic)
-                 and ``dKV_blk = dS^T Q + P^T dO`` (the second term on the first ``Dv`` columns).
-                 Where ``dKV_blk`` goes is static:
+                 and ``dKV_blk = dS^T Q + P^T dO`` (the second term on the first ``Dv`` columns),
+                 in column chunks, each scattered into the fp32 accumulator with vector atomics:
 
-                 * ordered (``slot_partials=True``, the default deterministic mode): plain
-                   stores to a per-(row, head group, slot) scratch that this CTA alone owns;
-                   ``slot_reduce`` then adds each key's rows in a fixed (sorted) order.
-                 * fixed point (``deterministic=True``): each fp32 contribution ``x`` becomes
-                   ``round(x * scale)`` and is added with an int64 atomic into the accumulator,
-                   skipping ``-1`` slots.  Integer addition is associative, so the sum is exact
-                   and independent of the order in which CTAs arrive.  ``scale`` (a power of two
-                   chosen per call from a bound on ``|dKV|``, ``interface.fixed_point_scale``)
-                   keeps every partial sum below ``2^62``; each contribution is rounded by at
-                   most ``0.5 / scale``.
-                 * atomic (``deterministic=False``): fp32 ``atomic_addx4`` (fast, order-dependent
-                   rounding).
-``slot_reduce``  (ordered) ``dKV[b, j] += sum of its slot rows, in sorted order`` (fp32).
-``postprocess``  (fixed point) int64 accumulator -> fp64 -> ``* (1 / scale)`` -> bf16 ``dKV``.
+                 * exact (``mode="exact"``, the deterministic backward): each contribution is
+                   rounded onto its key's power-of-two grid first, so the atomics add integers
+                   that fp32 holds exactly and the sum does not depend on the order; the kernel
+                   also sums a bound that proves it (``interface._exact_dkv``).
+                 * atomic (``mode="atomic"``): plain fp32 (order-dependent rounding).
 
-Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode.  Dynamic: ``B``,
-``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``, ``G``.  ``sm_scale`` and the
-fixed-point scale are runtime values in the two-element tensor ``Scale``.  All kernels compile
-with ``settings.PASS_CONFIGS``.
+Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
+``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
+value in the one-element tensor ``Scale``.  All kernels compile with ``settings.PASS_CONFIGS``.
 """
 
 from ... import settings
