@@ -127,7 +127,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     # int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
     U_CLAMP = float(2**40)
     EXP_CLAMP = float(2**100)
-    assert D % CW == 0 and CW % D_tail == 0
+    assert D % CW == 0 and CW >= D_tail
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -173,9 +173,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
             acc_dkv = T.alloc_fragment([BK, CW], acc_t)
             acc_dkv_tail = T.alloc_fragment([BK, D_tail], acc_t)
-            # running max |k| per slot over 64-column slices of the staged chunks, reduced once
-            # per block (a reduce straight from the GEMM's accumulator layout does not lower)
-            u_cols = T.alloc_fragment([BK, D_tail], acc_t)
+            # running max |k| per (slot, 4-column group), taken while scattering and reduced
+            # once per block (a reduce straight from the GEMM's accumulator layout does not lower)
+            u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
             u_frag = T.alloc_fragment([BK], acc_t)
             sc = T.alloc_local([2], acc_t)
 
@@ -227,48 +227,58 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                            transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                     T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
                            transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                    if exact:
-                        # onto the key's grid while staging (c / g_j is exact, one rounding)
-                        for j, d in T.Parallel(BK, CW):
+                    for j, d in T.Parallel(BK, CW):
+                        if exact:
+                            # onto the key's grid (c / g_j is exact, one rounding)
                             dkv_stage[j, d] = T.round(acc_dkv[j, d] * inv_grid[j])
-                        for t in T.serial(CW // D_tail):
-                            for j, d in T.Parallel(BK, D_tail):
-                                u_cols[j, d] = T.max(u_cols[j, d],
-                                                     T.abs(dkv_stage[j, t * D_tail + d]))
-                    else:
-                        for j, d in T.Parallel(BK, CW):
+                        else:
                             dkv_stage[j, d] = acc_dkv[j, d]
                     for j, d4 in T.Parallel(BK, CW // 4):
                         idx = Indices[b_i, s_i, k_i * BK + j]
                         if idx >= 0:
                             T.atomic_addx4(dKV_acc[b_i, idx, c * CW + d4 * 4],
                                            dkv_stage[j, d4 * 4])
+                        if exact:
+                            # running max |k| of the 4 columns this thread adds
+                            u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
+                                T.max(T.abs(dkv_stage[j, d4 * 4]), T.abs(dkv_stage[j, d4 * 4 + 1])),
+                                T.max(T.abs(dkv_stage[j, d4 * 4 + 2]),
+                                      T.abs(dkv_stage[j, d4 * 4 + 3]))))
 
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                if exact:
-                    for j, d in T.Parallel(BK, D_tail):
+                for j, d in T.Parallel(BK, D_tail):
+                    if exact:
                         dkv_tail_stage[j, d] = T.round(acc_dkv_tail[j, d] * inv_grid[j])
-                    for j, d in T.Parallel(BK, D_tail):
-                        u_cols[j, d] = T.max(u_cols[j, d], T.abs(dkv_tail_stage[j, d]))
+                    else:
+                        dkv_tail_stage[j, d] = acc_dkv_tail[j, d]
+                # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
+                # one layout; the tail's 16 column groups use the first 16 of them
+                for j, d4 in T.Parallel(BK, CW // 4):
+                    if d4 < D_tail // 4:
+                        idx = Indices[b_i, s_i, k_i * BK + j]
+                        if idx >= 0:
+                            T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
+                                           dkv_tail_stage[j, d4 * 4])
+                        if exact:
+                            u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
+                                T.max(T.abs(dkv_tail_stage[j, d4 * 4]),
+                                      T.abs(dkv_tail_stage[j, d4 * 4 + 1])),
+                                T.max(T.abs(dkv_tail_stage[j, d4 * 4 + 2]),
+                                      T.abs(dkv_tail_stage[j, d4 * 4 + 3]))))
+                if exact:
                     T.reduce_max(u_cols, u_frag, dim=1)
                     T.copy(u_frag, u_stage)
-                else:
-                    for j, d in T.Parallel(BK, D_tail):
-                        dkv_tail_stage[j, d] = acc_dkv_tail[j, d]
-                for j, d4 in T.Parallel(BK, D_tail // 4):
-                    idx = Indices[b_i, s_i, k_i * BK + j]
-                    if idx >= 0:
-                        T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4], dkv_tail_stage[j, d4 * 4])
-                        if exact:
-                            if d4 == 0:
-                                # one int64 add per (row, head group, slot): an exact sum;
-                                # and the exponent of the largest u, which still bounds it
-                                # when a clamped u makes the sum too small
-                                T.atomic_add(Bound[b_i, idx],
-                                             T.Cast("int64", T.min(u_stage[j], U_CLAMP)))
-                                T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
-                                    T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), 1.0)))) + 1)
+                    for j in T.Parallel(BK):
+                        idx = Indices[b_i, s_i, k_i * BK + j]
+                        if idx >= 0:
+                            # one int64 add per (row, head group, slot): an exact sum; and the
+                            # exponent of the largest u, which still bounds it when a clamped
+                            # u makes the sum too small
+                            T.atomic_add(Bound[b_i, idx],
+                                         T.Cast("int64", T.min(u_stage[j], U_CLAMP)))
+                            T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
+                                T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), 1.0)))) + 1)
 
                 if with_dq:
                     # dQ's GEMMs after the scatter: the fire-and-forget atomics drain while the
