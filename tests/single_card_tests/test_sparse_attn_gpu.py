@@ -444,3 +444,20 @@ def test_bad_inputs_raise():
         interface.mqa_latent_sparse_fwd(q.cpu(), kv.cpu(), idx.cpu(), SM_SCALE)
     with pytest.raises(ValueError, match="block_h"):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, block_h=64)
+
+
+def test_forward_at_extreme_logits():
+    """Issue 9's input (tests/test_softmax_range.py): every logit of a row equal, about +-5.6e7
+    after scaling.  The forward's running max starts at -inf, not at a finite floor, so head 1
+    (all logits far below zero) gets out = kv's value row and a finite lse, like head 0."""
+    from test_softmax_range import extreme_logits_case
+
+    q, kv, idx, sm, out_x, lse_x = extreme_logits_case()
+    q_t = torch.from_numpy(q).cuda().to(torch.bfloat16)
+    kv_t = torch.from_numpy(kv).cuda().to(torch.bfloat16)
+    idx_t = torch.from_numpy(idx).cuda()
+    out, lse = interface.mqa_latent_sparse_fwd(q_t, kv_t, idx_t, sm, None,
+                                               provider=GuardedKernels())
+    assert torch.equal(out.float().cpu(), torch.from_numpy(out_x).float())
+    assert bool(torch.isfinite(lse).all())
+    torch.testing.assert_close(lse.double().cpu(), torch.from_numpy(lse_x), rtol=1e-6, atol=0)

@@ -59,10 +59,15 @@ def _chunk_rows(dims, dtype: str, backward: bool) -> int:
 def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     """Probabilities of one chunk of query rows.
 
-    Returns ``(kv_g, safe, P, lse, lse_safe)``: gathered keys ``[B, c, L, Dk]``, the indices with
-    ``-1`` replaced by 0 ``[B, c, L]``, ``P [B, c, H, L]`` (0 on ``-1`` slots), the sink-exclusive natural LSE
-    ``[B, c, H]`` (``-inf`` without keys) and the sink-inclusive one (``lse`` itself without a
-    sink) with ``-inf`` replaced by 0.
+    Returns ``(kv_g, safe, P, lse, p_sink)``: gathered keys ``[B, c, L, Dk]``, the indices with
+    ``-1`` replaced by 0 ``[B, c, L]``, ``P [B, c, H, L]`` (0 on ``-1`` slots), the
+    sink-exclusive natural LSE ``[B, c, H]`` (``-inf`` without keys) and the sink's probability
+    ``[B, c, H]`` (``None`` without a sink).
+
+    The probabilities are ``exp(s - m) / Z`` with ``m`` the row's largest logit (the sink
+    included) and ``Z = sum exp(s - m)``: every exponent is ``<= 0`` and one is 0, whatever the
+    size of the logits.  ``exp(s - lse)`` instead loses ``|lse| * eps`` in the exponent (1% of
+    ``P`` at logits ~3e5 in fp32; ``docs/conventions.md``, "Range").
     """
     valid = idx_c >= 0
     # -1 is never dereferenced: gather row 0 instead and mask its score to -inf.
@@ -71,21 +76,31 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     dt = ops.dtype(q_c)
     scores = ops.einsum("bshd,bsld->bshl", q_c, kv_g) * sm_scale
     B, c, L = ops.shape(idx_c)
+    H = dims.H
     valid4 = ops.reshape(valid, (B, c, 1, L))
     neg_inf = ops.full((1,), _NEG_INF, dt, q_c)
     scores = ops.where(valid4, scores, neg_inf)
     zero = ops.zeros((1,), dt, q_c)
-    m = ops.amax(scores, axis=-1, keepdim=True)
     # All-masked row: shift by 0, exp(-inf) = 0.  The test is "== -inf", not "> -inf", so that
     # a NaN is never replaced by a plausible 0 (validation rejects NaN before this point).
-    m = ops.where(m == _NEG_INF, zero, m)
-    lse = ops.log(ops.sum(ops.exp(scores - m), axis=-1)) + ops.reshape(m, (B, c, dims.H))
-    lse_total = lse if sink_c is None else ops.logaddexp(lse, sink_c)
-    # lse_total = -inf only for a row with no key and no sink: every P is 0 there, and
-    # exp(s - lse_total) would be exp(-inf + inf) = NaN, so subtract a finite 0 instead.
-    lse_safe = ops.where(lse_total == _NEG_INF, zero, lse_total)
-    P = ops.exp(scores - ops.reshape(lse_safe, (B, c, dims.H, 1)))
-    return kv_g, safe, P, lse, lse_safe
+    m_key = ops.amax(scores, axis=-1, keepdim=True)
+    m_key = ops.where(m_key == _NEG_INF, zero, m_key)
+    lse = ops.log(ops.sum(ops.exp(scores - m_key), axis=-1)) + ops.reshape(m_key, (B, c, H))
+    if sink_c is None:
+        m, sink_w = m_key, None
+    else:
+        sink4 = ops.reshape(sink_c, (1, 1, H, 1))
+        m = ops.where(sink4 > m_key, sink4 + zero, m_key)  # (-inf sink: m stays m_key)
+        sink_w = ops.exp(ops.reshape(sink_c, (1, 1, H)) - ops.reshape(m, (B, c, H)))
+    e = ops.exp(scores - m)
+    z = ops.sum(e, axis=-1)
+    if sink_w is not None:
+        z = z + sink_w
+    # z = 0 only for a row with no key and no sink: every P is 0 there
+    z_safe = ops.where(z == 0, ops.full((1,), 1.0, dt, q_c), z)
+    P = e / ops.reshape(z_safe, (B, c, H, 1))
+    p_sink = None if sink_w is None else sink_w / z_safe
+    return kv_g, safe, P, lse, p_sink
 
 
 def _prepare(query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=None,
@@ -199,7 +214,7 @@ def sparse_mqa_bwd_ref(
         q_c = ops.cast(query[:, s0:s1], dtype)
         do_c = ops.cast(grad_out[:, s0:s1], dtype)
         idx_c = token_indices[:, s0:s1]
-        kv_g, safe, P, _, lse_safe = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
+        kv_g, safe, P, _, p_sink = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
         v_g = kv_g[..., :Dv]
         out_c = ops.einsum("bshl,bsld->bshd", P, v_g)
         delta = ops.sum(out_c * do_c, axis=-1)  # [B, c, H]
@@ -214,7 +229,6 @@ def sparse_mqa_bwd_ref(
         # -1 slots have P = dS = 0 exactly, so adding their (zero) terms at row 0 is harmless.
         dkv = ops.scatter_add_rows(dkv, safe, term_qk + term_v)
         if sink_c is not None:
-            p_sink = ops.exp(sink_c - lse_safe)  # [B, c, H]; lse_safe is finite with a sink
             d_sink = d_sink - ops.sum(ops.reshape(p_sink * delta, (B * c, H)), axis=0)
     return dq, dkv, d_sink
 

@@ -93,8 +93,9 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             scale2[0] = Scale[0] * LOG2E
             T.fill(acc_o, 0)
             T.fill(row_sum, 0)
-            # a large finite floor instead of -inf: keeps (m_prev - m) finite for empty blocks
-            T.fill(row_max, -(2.0**30))
+            # -inf, not a finite floor: a floor above every logit of a row (all far below zero)
+            # left m at the floor and every exp2 at 0; the -inf cases are guarded below
+            T.fill(row_max, -T.infinity(acc_t))
             T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
             T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
 
@@ -118,9 +119,14 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
                 T.reduce_max(acc_s, row_max, dim=1, clear=False)
                 for h in T.Parallel(M):
                     row_max[h] = T.max(row_max[h], row_max_prev[h])
-                    alpha[h] = T.exp2((row_max_prev[h] - row_max[h]) * scale2[0])
+                    # no valid key yet (m = -inf): nothing to rescale, and -inf - -inf is NaN
+                    alpha[h] = T.if_then_else(
+                        row_max[h] == -T.infinity(acc_t), 1.0,
+                        T.exp2((row_max_prev[h] - row_max[h]) * scale2[0]))
                 for h, j in T.Parallel(M, BK):
-                    acc_s[h, j] = T.exp2((acc_s[h, j] - row_max[h]) * scale2[0])
+                    acc_s[h, j] = T.if_then_else(
+                        row_max[h] == -T.infinity(acc_t), 0.0,
+                        T.exp2((acc_s[h, j] - row_max[h]) * scale2[0]))
                 T.reduce_sum(acc_s, blk_sum, dim=1)
                 for h in T.Parallel(M):
                     row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
@@ -136,8 +142,10 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
                 m_key = row_max[h] * scale2[0]
                 sink2 = Sink[h0 + h] * LOG2E
                 m_all = T.max(m_key, sink2)
-                w_key = T.exp2(m_key - m_all)
-                z = row_sum[h] * w_key + T.exp2(sink2 - m_all)
+                # no key and no sink: m_all = -inf, every weight 0 (not exp2(-inf - -inf))
+                w_key = T.if_then_else(m_all == -T.infinity(acc_t), 0.0, T.exp2(m_key - m_all))
+                z = row_sum[h] * w_key + T.if_then_else(m_all == -T.infinity(acc_t), 0.0,
+                                                        T.exp2(sink2 - m_all))
                 alpha[h] = T.if_then_else(z > 0, w_key / z, 0)
                 # natural, sink-exclusive: log2(0) = -inf for a row with no valid key
                 lse_frag[h] = (T.log2(row_sum[h]) + m_key) * LN2
