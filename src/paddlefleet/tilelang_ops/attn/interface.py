@@ -222,11 +222,8 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
 
     bound_f = ops.cast(bound, "float64")
     over = bound_f > float(2**EXACT_BITS)
-    # a u clamped at 2^40 leaves the sum short: then n_j * 2^BoundExp_j bounds it instead
-    n_key = ops.put_along_axis(ops.zeros((b, s_kv), "float64", bound_f), flat_idx,
-                               ops.reshape(ops.cast(valid, "float64"), (b, s * l)), axis=1,
-                               reduce="add")
-    by_max = n_key * ops.ldexp(ops.full((1,), 1.0, "float64", bound_f), bound_exp)
+    # a u clamped at 2^40 leaves the sum short: then (rows x groups) * 2^BoundExp_j bounds it
+    by_max = ops.ldexp(ops.full((1,), float(s * plan.num_groups), "float64", bound_f), bound_exp)
     bound_f = ops.where(bound_f >= 2.0**40, by_max, bound_f)
     safe = ops.where(over, bound_f, ops.full((1,), 2.0 ** (EXACT_BITS - 1), "float64", bound_f))
     t = ops.ceil(ops.log2(safe) - float(EXACT_BITS - 1))
