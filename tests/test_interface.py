@@ -169,10 +169,21 @@ def test_head_plan(H, block_h, tile, h_pad):
     assert plan.block_h == (block_h or (32 if H % 32 == 0 else 16))
 
 
-@pytest.mark.parametrize("bad", [8, 64, 0, True, "32"])
+@pytest.mark.parametrize("bad", [8, 64, 0, -16])
 def test_block_h_must_be_16_or_32(bad):
     with pytest.raises(ValueError, match="block_h.*head tile"):
         tiling.head_plan(64, bad)
+
+
+@pytest.mark.parametrize("bad", [16.0, 32.0, True, "32", np.float64(16.0)])
+def test_block_h_must_be_an_int(bad):
+    """16.0 compares equal to 16; it must still be refused, not silently taken as 16."""
+    with pytest.raises(TypeError, match=r"^block_h: expected 16, 32 or None, got "):
+        tiling.head_plan(64, bad)
+
+
+def test_block_h_accepts_numpy_ints():
+    assert tiling.head_plan(64, np.int64(16)).block_h == 16
 
 
 def test_key_blocks_divide_index_pad():
@@ -399,6 +410,8 @@ def test_bad_inputs_raise_naming_the_tensor(fw):
         interface.mqa_latent_sparse_fwd(q, kv, idx, 0.0, provider=prov)
     with pytest.raises(ValueError, match="block_h"):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=48, provider=prov)
+    with pytest.raises(TypeError, match="block_h"):
+        interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=16.0, provider=prov)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     with pytest.raises(ValueError, match="lse_format"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, lse_format="log2",
