@@ -156,7 +156,7 @@ def test_errors():
         layer(paddle.zeros([1, 0, cfg.hidden_size]), paddle.zeros([1, 0, 4], dtype="int32"))
     with pytest.raises(ValueError, match=r"^token_indices: expected \[B, S, L\] with B=1 and S=8 \(from hidden_states\)"):
         layer(x, idx[:, :7])
-    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor, got numpy.ndarray"):
         layer(x, idx.numpy())
     full = init_full_weights(cfg)
     full["wo"] = full["wo"][:-1]

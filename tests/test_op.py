@@ -152,6 +152,25 @@ def test_errors_raised_at_call(rng):
 
 
 def test_float64_inputs_computed_in_float64(rng):
+def test_non_paddle_inputs_name_the_argument_and_the_type(rng):
+    """numpy arrays used to give "expected a paddle.Tensor or torch.Tensor, got ndarray" (no
+    argument named) and torch tensors "got Tensor"."""
+    q, kv, idx, sk, grad, d_v = _inputs(rng)
+    t = paddle.to_tensor
+    with pytest.raises(TypeError, match=r"^query: expected a paddle.Tensor, got numpy.ndarray$"):
+        sparse_mqa_attention(q, t(kv), t(idx), 0.1, t(sk), d_v=d_v)
+    with pytest.raises(TypeError, match=r"^kv: expected a paddle.Tensor or torch.Tensor, got "
+                                        r"numpy.ndarray$"):
+        sparse_mqa_attention(t(q), kv, t(idx), 0.1, t(sk), d_v=d_v)
+    with pytest.raises(TypeError, match=r"^attn_sink: .*got list$"):
+        sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, sk.tolist(), d_v=d_v)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^query: expected a paddle.Tensor, got torch.Tensor "
+                                        r"\(this is Paddle's autograd op"):
+        sparse_mqa_attention(torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(idx),
+                             0.1, torch.from_numpy(sk), d_v=d_v)
+
+
     """fp64 inputs get the fp64 reference (fp32 compute would leave ~1e-7 errors)."""
     q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)
     q, kv, grad = q.astype(np.float64), kv.astype(np.float64), grad.astype(np.float64)

@@ -489,7 +489,7 @@ def test_lse_bridge_bad_input(fw, rng):
 
 def test_lse_bridge_names_a_non_tensor_sink(fw, rng):
     lse, sink = _lse_case(rng)
-    with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got numpy.ndarray"):
         lse_natural_to_log2_sink(fw.t(lse), sink)
     with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got list"):
         lse_log2_sink_to_natural(fw.t(lse), list(sink))

@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .adapter import framework_of, ops_for
+from .adapter import framework_of, ops_for, type_name
 
 __all__ = ["Dims", "validate_inputs", "check_sm_scale", "check_compute_dtype"]
 
@@ -138,7 +138,7 @@ def validate_inputs(
             continue
         if framework_of(t) is None:
             raise TypeError(
-                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type(t).__name__}"
+                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type_name(t)}"
             )
         present[name] = t
     frameworks = {name: framework_of(t) for name, t in present.items()}

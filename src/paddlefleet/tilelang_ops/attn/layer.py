@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from .adapter import type_name
 from .config import MLAAttentionConfig
 from .op import sparse_mqa_attention
 from .tp import (
@@ -229,7 +230,7 @@ class MQALatentAttention(paddle.nn.Layer):
         c = self.config
         for name, t in (("hidden_states", hidden_states), ("token_indices", token_indices)):
             if not isinstance(t, paddle.Tensor):
-                raise TypeError(f"{name}: expected a paddle.Tensor, got {type(t).__name__}")
+                raise TypeError(f"{name}: expected a paddle.Tensor, got {type_name(t)}")
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(
                 f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got shape "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
-from .adapter import ops_for
+from .adapter import framework_of, ops_for, type_name
 from .checks import check_sm_scale, validate_inputs
 from .config import BACKWARD_BACKENDS
 
@@ -193,9 +193,11 @@ def sparse_mqa_attention(
     contribution from rows whose weight is all on the sink); see docs/conventions.md.
     """
     sm_scale = check_sm_scale(sm_scale)
+    if framework_of(query) != "paddle":
+        hint = (" (this is Paddle's autograd op; mqa_latent_sparse_fwd/_bwd take torch.Tensor)"
+                if framework_of(query) == "torch" else "")
+        raise TypeError(f"query: expected a paddle.Tensor, got {type_name(query)}{hint}")
     ops = ops_for(query)
-    if ops.name != "paddle":
-        raise TypeError(f"query: expected a paddle.Tensor, got {type(query).__name__}")
     device_kind = ops.device_kind(query)
     backend = resolve_backward_backend(backward_backend, device_kind)
     # Reading the index range back syncs the GPU stream; the CUDA wrapper does its own checks.

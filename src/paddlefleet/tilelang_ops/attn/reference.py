@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .adapter import framework_of, ops_for
+from .adapter import framework_of, ops_for, type_name
 from .checks import check_compute_dtype, check_sm_scale, validate_inputs
 
 __all__ = [
@@ -223,7 +223,7 @@ def _check_bridge(lse: Any, attn_sink: Any, lse_name: str):
     for name, t in ((lse_name, lse), ("attn_sink", attn_sink)):
         if t is not None and framework_of(t) is None:
             raise TypeError(
-                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type(t).__name__}"
+                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type_name(t)}"
             )
     if attn_sink is not None and framework_of(attn_sink) != framework_of(lse):
         raise TypeError(
