@@ -24,7 +24,7 @@ from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
 from paddlefleet.tilelang_ops.attn.reference import (
     lse_natural_to_log2_sink,
-    sparse_mqa_bwd_ref,
+    mqa_latent_sparse_bwd_ref,
     sparse_mqa_fwd_ref,
 )
 
@@ -228,7 +228,7 @@ def test_bwd_through_stand_in_matches_reference(fw, det, method, H, sink, lse_fo
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM,
                                                   deterministic=det, lse_format=lse_format,
                                                   det_method=method, provider=prov)
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
     errs = (rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv))
     assert max(errs) < 1e-2, errs
     ops = ops_for(dq)
@@ -318,7 +318,7 @@ def test_flashmla_inf_lse_rows_contribute_nothing(fw, sink, det):
     for g, r in zip(got, ref):
         assert np.isfinite(_np(g)).all()
         assert np.array_equal(_np(g), _np(r))
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, None, do, None, sk, idx, SM)
     assert max(rel_l2(got[0], ref_dq), rel_l2(got[1], ref_dkv)) < 1e-2
     if sink:
         assert rel_l2(got[2], ref_ds) < 1e-2
@@ -377,7 +377,7 @@ def test_fixed_point_scale_bounds_dkv(fw):
     scale = float(_np(interface.fixed_point_scale(ops, q, kv, do, delta, SM, 8 * 16))[0])
     mant, exp = math.frexp(scale)
     assert mant == 0.5 and -100 <= exp - 1 <= 100
-    _, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk, dtype="float64")
+    _, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM, dtype="float64")
     assert np.abs(_np(ref_dkv)).max() * scale < 2.0**62
     # doubling the queries raises the bound: the scale can only shrink
     q2 = ops.cast(ops.cast(q, "float32") * 2.0, "bfloat16")

@@ -31,7 +31,7 @@ if cuda_available():
 
     from paddlefleet.tilelang_ops.attn import interface, tiling
     from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
-    from paddlefleet.tilelang_ops.attn.reference import sparse_mqa_bwd_ref, sparse_mqa_fwd_ref
+    from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref, sparse_mqa_fwd_ref
 
 TOL = 1e-2
 DK, DV = 576, 512
@@ -181,7 +181,7 @@ def test_against_reference(case):
     assert lse.shape == (case["B"], case["S"], H) and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     runs = []
     for _ in range(3):
         runs.append(interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
@@ -247,7 +247,7 @@ def test_ordered_chunks_equal_one_pass(monkeypatch):
                                               provider=prov)
     for a, b, name in zip(one, chunked, ("dq", "dkv", "d_sink")):
         assert torch.equal(a, b), f"{name}: chunked ordered backward differs from one pass"
-    _, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    _, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     assert rel_l2(chunked[1].float(), ref_dkv) < TOL
 
 
@@ -274,7 +274,8 @@ def test_fixed_point_scale_is_a_bounding_power_of_two():
                                         * q.shape[2])
     mant, _ = torch.frexp(scale.double())
     assert float(mant) == 0.5, "the fixed-point scale must be an exact power of two"
-    _, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink, dtype="float64")
+    _, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE,
+                                              dtype="float64")
     assert float(ref_dkv.abs().max()) * float(scale) < 2.0**62
 
 
@@ -325,7 +326,7 @@ def test_new_shapes_do_not_recompile():
         assert rel_l2(out.float(), ref_out) < TOL
         dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                      provider=prov)
-        ref_dq, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+        ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
         assert rel_l2(dq.float(), ref_dq) < TOL and rel_l2(dkv.float(), ref_dkv) < TOL
     assert sorted(k[0] for k in prov._kernels) == ["fwd", "main", "pre", "reduce"]
 

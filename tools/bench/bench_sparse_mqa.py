@@ -15,7 +15,7 @@ never holds the previous call's inputs:
     bwd_atomic  mqa_latent_sparse_bwd(deterministic=False)  (ours; fp32 atomic dKV)
     bwd_det     mqa_latent_sparse_bwd(deterministic=True)   (ours; bitwise repeatable)
     ref_fwd     sparse_mqa_fwd_ref (fp32)   only where its estimated memory is under
-    ref_bwd     sparse_mqa_bwd_ref (fp32)   --ref-mem-gb, with --ref-reps repetitions
+    ref_bwd     mqa_latent_sparse_bwd_ref (fp32)  --ref-mem-gb, with --ref-reps repetitions
 and once per run a dense bf16 ``N x N x N`` matmul (``--matmul-n``, 8192) whose TFLOP/s is the
 peak that ``frac_peak`` divides by.
 
@@ -215,7 +215,7 @@ def load_functions(torch, variants, cpu_standin: bool, say,
     try:
         from paddlefleet.tilelang_ops.attn import reference as ref_mod
 
-        ref_fwd, ref_bwd = ref_mod.sparse_mqa_fwd_ref, ref_mod.sparse_mqa_bwd_ref
+        ref_fwd, ref_bwd = ref_mod.sparse_mqa_fwd_ref, ref_mod.mqa_latent_sparse_bwd_ref
         ref_src = "attn.reference"
     except Exception as e:  # noqa: BLE001 - any import failure means "skip", never crash
         ref_src = None
@@ -225,7 +225,8 @@ def load_functions(torch, variants, cpu_standin: bool, say,
         return ref_fwd(i["q"], i["kv"], i["idx"], i["sm_scale"], i["sink"], d_v=i["Dv"])
 
     def call_ref_bwd(i):
-        return ref_bwd(i["q"], i["kv"], i["dO"], i["idx"], i["sm_scale"], i["sink"], d_v=i["Dv"])
+        return ref_bwd(i["q"], i["kv"], i.get("out"), i["dO"], i.get("lse"), i["sink"], i["idx"],
+                       i["sm_scale"])
 
     for v in REFS:
         if v not in variants:

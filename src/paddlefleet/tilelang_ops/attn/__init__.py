@@ -12,6 +12,8 @@ _EXPORTS = {
     "mqa_latent_sparse_fwd": "interface",
     "mqa_latent_sparse_bwd": "interface",
     # fp32/fp64 reference (any device)
+    "mqa_latent_sparse_fwd_ref": "reference",
+    "mqa_latent_sparse_bwd_ref": "reference",
     "sparse_mqa_fwd_ref": "reference",
     "sparse_mqa_bwd_ref": "reference",
     "lse_natural_to_log2_sink": "reference",

@@ -87,12 +87,12 @@ def _backward(backend, query, kv, out, grad_out, lse, attn_sink, token_indices, 
             deterministic=True, lse_format="natural", check_indices=False,
         )
     else:
-        from .reference import sparse_mqa_bwd_ref
+        from .reference import mqa_latent_sparse_bwd_ref
 
         # The reference recomputes P from (query, kv, token_indices); the saved indices are
         # what it gets, so the top-k selection is still never recomputed.
-        dq, dkv, d_sink = sparse_mqa_bwd_ref(
-            query, kv, grad_out, token_indices, sm_scale, attn_sink, d_v=d_v,
+        dq, dkv, d_sink = mqa_latent_sparse_bwd_ref(
+            query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
             dtype=_ref_dtype(query),
         )
     return ops.cast(dq, ops.dtype(query)), ops.cast(dkv, ops.dtype(kv)), d_sink
