@@ -191,11 +191,14 @@ class MQALatentAttention(paddle.nn.Layer):
         weights = _init_weights(config, seed, lo, lo + self.num_local_heads)
         for name, value in weights.items():
             dtype = "float32" if name == "attn_sink" else paddle.get_default_dtype()
+            # Zeros, then one copy of the values: Paddle's Assign initializer takes ~27 s for
+            # the 117M-element wo of the deepseek_v32 preset on CPU, this ~1 s.
             param = self.create_parameter(
                 shape=list(value.shape),
                 dtype=dtype,
-                default_initializer=paddle.nn.initializer.Assign(value),
+                default_initializer=paddle.nn.initializer.Constant(0.0),
             )
+            param.set_value(paddle.to_tensor(value).astype(param.dtype))
             setattr(self, name, param)
         if not config.use_attn_sink:
             self.attn_sink = None
