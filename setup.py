@@ -18,7 +18,7 @@ setup(
     package_dir={"": "src"},
     # `paddlefleet` is a namespace package so that we can live beside PaddleFleet itself.
     packages=find_namespace_packages(where="src", include=["paddlefleet.*"]),
-    install_requires=["numpy", "tqdm", "paddlepaddle>=3.3", "tilelang-paddle>=0.1.13"],
+    install_requires=["numpy", "tqdm", "psutil", "paddlepaddle>=3.3", "tilelang-paddle>=0.1.13"],
     extras_require={
         "test": ["pytest"],
     },
