@@ -357,6 +357,12 @@ def main(argv=None) -> int:
         # Paddle installs a SIGTERM handler of its own when imported (it prints a C++ stack
         # and aborts): import it first, so that ours below replaces it.
         import paddle  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(
+            f"error: Paddle is not installed ({e}): pip install -e \".[cpu]\" for the CPU "
+            "build, or paddlepaddle-gpu on a CUDA machine (README.md, 'Installing on a CUDA "
+            "machine')"
+        ) from None
     except KeyboardInterrupt:
         print("interrupted by SIGINT before the first step", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
