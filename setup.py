@@ -1,7 +1,8 @@
 """Packaging for paddlefleet-tilelang-ops.
 
-Runtime dependencies are the Paddle stack (paddlepaddle, or paddlepaddle-gpu on CUDA machines,
-and tilelang-paddle, Paddle's build of TileLang) plus numpy.  The PyTorch validation environment
+Runtime dependencies are the Paddle stack (paddlepaddle, the ``cpu`` extra, or paddlepaddle-gpu
+installed beforehand on CUDA machines, and tilelang-paddle, Paddle's build of TileLang) plus
+numpy, tqdm and psutil.  The PyTorch validation environment
 (mainline ``tilelang`` + ``torch``) is described in README.md; it cannot share an environment
 with tilelang-paddle because both install the top-level ``tilelang`` package.
 """
@@ -18,8 +19,13 @@ setup(
     package_dir={"": "src"},
     # `paddlefleet` is a namespace package so that we can live beside PaddleFleet itself.
     packages=find_namespace_packages(where="src", include=["paddlefleet.*"]),
-    install_requires=["numpy", "tqdm", "paddlepaddle>=3.3", "tilelang-paddle>=0.1.13"],
+    # Paddle itself is an extra: paddlepaddle (CPU) and paddlepaddle-gpu (CUDA, from Paddle's
+    # own index) are two distributions of the same `paddle` package, and a requirement on
+    # paddlepaddle would install the CPU build over a CUDA one.  README.md, "Installing on a
+    # CUDA machine".
+    install_requires=["numpy", "tqdm", "psutil", "tilelang-paddle>=0.1.13"],
     extras_require={
+        "cpu": ["paddlepaddle>=3.3"],
         "test": ["pytest"],
     },
 )

@@ -13,6 +13,8 @@ Import them from any test file (``pytest.ini`` puts ``tests/`` on ``sys.path``):
 * Fixture ``rng``: a ``numpy.random.Generator`` seeded from the test's node id and
   ``$PFTO_TEST_SEED`` (default 0), so each test gets its own fresh random inputs, reproducible
   run to run; set ``PFTO_TEST_SEED`` to draw different ones.  The seed is printed on failure.
+* ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
+  and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
 * ``TILELANG_CACHE_DIR`` defaults to ``<repo>/.tilelang-cache`` (git-ignored) so that tests never
   write to the home directory.
 """
@@ -22,6 +24,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import subprocess
+import sys
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -110,3 +116,40 @@ def pytest_runtest_makereport(item, call):
         for key, value in item.user_properties:
             if key == "rng_seed":
                 report.sections.append(("rng", f"rng seed {value} (PFTO_TEST_SEED={_base_seed()})"))
+
+
+def run_until_signalled(script, args, marker: str, sig, timeout: float = 120):
+    """Start ``python script args`` in a process group of its own and send ``sig`` to the whole
+    group (as a terminal's Ctrl-C does) once ``marker`` is on its stdout.
+
+    Returns ``(returncode, stdout, stderr, seconds from the signal to the exit, the processes it
+    had started)`` (``psutil.Process`` objects, to check that none outlives it).
+    """
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src"))
+    proc = subprocess.Popen([sys.executable, str(script), *args], text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    out, err = [], []
+    readers = [threading.Thread(target=lambda f=f, acc=acc: acc.extend(f), daemon=True)
+               for f, acc in ((proc.stdout, out), (proc.stderr, err))]
+    for r in readers:
+        r.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(marker in ln for ln in out) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(out + err)
+            time.sleep(0.2)
+        assert any(marker in ln for ln in out), "".join(out + err)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for r in readers:
+        r.join(10)
+    return proc.returncode, "".join(out), "".join(err), seconds, started

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paddlefleet.tilelang_ops.attn.adapter import framework_of, is_tensor, ops_for
+from paddlefleet.tilelang_ops.attn.adapter import framework_of, is_tensor, ops_for, type_name
 
 
 class _Paddle:
@@ -55,9 +55,18 @@ def test_framework_detection(fw):
     assert ops.name == name and ops_for(x) is ops  # one cached backend per framework
 
 
+def test_type_name_says_which_library():
+    assert type_name(np.zeros(2)) == "numpy.ndarray"
+    assert type_name([1.0]) == "list" and type_name(None) == "None" and type_name(2.0) == "float"
+    paddle = pytest.importorskip("paddle")
+    assert type_name(paddle.zeros([1])) == "paddle.Tensor"
+    torch = pytest.importorskip("torch")
+    assert type_name(torch.zeros(1)) == "torch.Tensor"
+
+
 def test_ops_for_errors(fw):
     x = fw.t(np.zeros(2, np.float32))
-    with pytest.raises(TypeError, match="expected a paddle.Tensor or torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="expected a paddle.Tensor or torch.Tensor, got numpy.ndarray"):
         ops_for(x, np.zeros(2))
     with pytest.raises(TypeError, match="all tensors must come from one framework, got no tensors"):
         ops_for(None)

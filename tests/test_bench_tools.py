@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import cuda_available
+
 BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
 
@@ -259,8 +261,33 @@ def test_parse_args_defaults_and_errors(monkeypatch):
     for bad in (["--sets", "2"], ["--variants", "fwd,bogus"], ["--reps", "0"]):
         with pytest.raises(SystemExit):
             bench_sparse_mqa.parse_args(bad)
-    with pytest.raises(ValueError, match="unknown shape"):
-        bench_sparse_mqa.parse_args(["--shapes", "huge"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shapes", "nosuch"], "error: --shapes: unknown shape 'nosuch'; known: "),
+    (["--shapes", " , "], "error: --shapes: no shape named in ' , '"),
+    (["--ref-shapes", "nosuch"], "error: --ref-shapes: unknown shape 'nosuch'"),
+])
+def test_unknown_shape_is_a_usage_error(capsys, args, message):
+    """A usage error (exit 2, one error line), not a ValueError traceback."""
+    with pytest.raises(SystemExit) as e:
+        bench_sparse_mqa.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and message in errors[0], err
+
+
+def test_cpu_standin_defaults_to_the_tiny_shape(monkeypatch):
+    """Without --shapes the stand-in would run the H200 shapes on CPU for minutes."""
+    monkeypatch.delenv("OUT", raising=False)
+    assert [s.name for s in bench_sparse_mqa.parse_args(["--cpu-standin", "--quick"]).shape_list] \
+        == ["tiny"]
+    assert [s.name for s in bench_sparse_mqa.parse_args(
+        ["--cpu-standin", "--shapes", "tiny,tp8"]).shape_list] == ["tiny", "tp8"]
+    assert [s.name for s in bench_sparse_mqa.parse_args([]).shape_list] \
+        == list(harness.DEFAULT_SHAPES)
 
 
 def test_dry_run_needs_no_torch(capsys):
@@ -430,12 +457,31 @@ def test_gpu_code_path_end_to_end_through_the_interface_on_cpu(monkeypatch):
         if v == "bwd_det":
             assert res["repeatable"] is True
     # what the benchmark times is the backward of these inputs (fp32 reference, rel. L2)
-    from paddlefleet.tilelang_ops.attn.reference import sparse_mqa_bwd_ref
+    from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref
 
     i = sets[1]
     dq, dkv, d_sink = fns["bwd_det"](i)
-    rq, rkv, rs = sparse_mqa_bwd_ref(i["q"], i["kv"], i["dO"], i["idx"], i["sm_scale"],
-                                     i["sink"], d_v=i["Dv"])
+    rq, rkv, rs = mqa_latent_sparse_bwd_ref(i["q"], i["kv"], i["out"], i["dO"], i["lse"],
+                                            i["sink"], i["idx"], i["sm_scale"])
     for x, r in ((dq, rq), (dkv, rkv), (d_sink, rs)):
         err = (x.float() - r).norm() / r.norm()
         assert err < 1e-2, float(err)
+
+
+# --- tools/kernel_timing.py ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the message printed where there is no CUDA")
+@pytest.mark.parametrize("args, message", [
+    ([], "needs "),  # PyTorch with CUDA / a CUDA device, whichever is missing here
+    (["--heads", "0"], "argument --heads: expected an int >= 1, got 0"),
+])
+def test_kernel_timing_without_cuda_is_a_usage_error(args, message):
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(BENCH.parent / "kernel_timing.py"), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and message in errors[0], res.stderr

@@ -102,7 +102,7 @@ def test_valid_call_returns_dims(good):
 @pytest.mark.parametrize("name", ["query", "kv", "token_indices", "attn_sink", "out", "lse"])
 def test_not_a_tensor(good, name):
     bad = dict(good, **{name: good[name].numpy()})
-    with pytest.raises(TypeError, match=f"^{name}: expected a paddle.Tensor or torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match=f"^{name}: expected a paddle.Tensor or torch.Tensor, got numpy.ndarray"):
         call(bad)
 
 

@@ -24,7 +24,7 @@ from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
 from paddlefleet.tilelang_ops.attn.reference import (
     lse_natural_to_log2_sink,
-    sparse_mqa_bwd_ref,
+    mqa_latent_sparse_bwd_ref,
     sparse_mqa_fwd_ref,
 )
 
@@ -173,10 +173,21 @@ def test_head_plan(H, block_h, tile, h_pad):
     assert plan.block_h == (block_h or (32 if H % 32 == 0 else 16))
 
 
-@pytest.mark.parametrize("bad", [8, 64, 0, True, "32"])
+@pytest.mark.parametrize("bad", [8, 64, 0, -16])
 def test_block_h_must_be_16_or_32(bad):
     with pytest.raises(ValueError, match="block_h.*head tile"):
         tiling.head_plan(64, bad)
+
+
+@pytest.mark.parametrize("bad", [16.0, 32.0, True, "32", np.float64(16.0)])
+def test_block_h_must_be_an_int(bad):
+    """16.0 compares equal to 16; it must still be refused, not silently taken as 16."""
+    with pytest.raises(TypeError, match=r"^block_h: expected 16, 32 or None, got "):
+        tiling.head_plan(64, bad)
+
+
+def test_block_h_accepts_numpy_ints():
+    assert tiling.head_plan(64, np.int64(16)).block_h == 16
 
 
 def test_key_blocks_divide_index_pad():
@@ -220,7 +231,7 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM,
                                                   deterministic=det, lse_format=lse_format,
                                                   provider=prov)
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
     errs = (rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv))
     assert max(errs) < 1e-2, errs
     ops = ops_for(dq)
@@ -249,7 +260,7 @@ def test_exact_dkv_reruns_keys_over_their_bound(fw, margin, monkeypatch):
     q, kv, do, sk, idx = _case(fw, 1, 6, 64, 16, 64, True, seed=31, empty_rows=(2,))
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    ref_dq, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
     monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
     dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
     (rerun_max,) = prov.rerun_bounds
@@ -298,7 +309,7 @@ def test_flashmla_inf_lse_rows_contribute_nothing(fw, sink, det):
     for g, r in zip(got, ref):
         assert np.isfinite(_np(g)).all()
         assert np.array_equal(_np(g), _np(r))
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM, sk)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, None, do, None, sk, idx, SM)
     assert max(rel_l2(got[0], ref_dq), rel_l2(got[1], ref_dkv)) < 1e-2
     if sink:
         assert rel_l2(got[2], ref_ds) < 1e-2
@@ -371,6 +382,8 @@ def test_bad_inputs_raise_naming_the_tensor(fw):
         interface.mqa_latent_sparse_fwd(q, kv, idx, 0.0, provider=prov)
     with pytest.raises(ValueError, match="block_h"):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=48, provider=prov)
+    with pytest.raises(TypeError, match="block_h"):
+        interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=16.0, provider=prov)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     with pytest.raises(ValueError, match="lse_format"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, lse_format="log2",

@@ -19,7 +19,7 @@ import pytest
 
 paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
 
-from conftest import REPO_ROOT, rel_l2  # noqa: E402
+from conftest import REPO_ROOT, rel_l2, run_until_signalled  # noqa: E402
 
 from paddlefleet.tilelang_ops.attn.config import get_preset
 from paddlefleet.tilelang_ops.attn.indices import (
@@ -139,6 +139,32 @@ def test_weights_are_slices_of_the_full_weights():
     assert not np.array_equal(init_full_weights(cfg, seed=4)["wo"], full["wo"])
 
 
+def test_build_copies_the_weights_without_paddles_assign_initializer(monkeypatch):
+    """Assign took ~27 s for the deepseek_v32 preset's 117M-element wo on CPU (~49 s for the
+    whole layer); the build writes each weight with one set_value instead.  Same values, and
+    the parameters still take Paddle's default dtype."""
+
+    def slow_assign(*args, **kwargs):
+        raise AssertionError("the layer must not build its weights with initializer.Assign")
+
+    monkeypatch.setattr(paddle.nn.initializer, "Assign", slow_assign)
+    cfg = get_preset("deepseek_v32_small")
+    full = init_full_weights(cfg, seed=5)
+    layer = MQALatentAttention(cfg, seed=5)
+    assert sorted(n for n, _ in layer.named_parameters()) == sorted(full)
+    for name, p in layer.named_parameters():
+        assert p.dtype == paddle.float32 and not p.stop_gradient, name
+        np.testing.assert_array_equal(p.numpy(), full[name], err_msg=name)
+    old = paddle.get_default_dtype()
+    paddle.set_default_dtype("float64")
+    try:
+        layer64 = MQALatentAttention(cfg, seed=5)
+    finally:
+        paddle.set_default_dtype(old)
+    assert layer64.wo.dtype == paddle.float64 and layer64.attn_sink.dtype == paddle.float32
+    np.testing.assert_array_equal(layer64.wo.numpy(), full["wo"].astype(np.float64))
+
+
 def test_errors():
     cfg = get_preset("deepseek_v32_small")
     with pytest.raises(ValueError, match="tensor_parallel_degree=2.*1 rank"):
@@ -160,7 +186,7 @@ def test_errors():
         layer(paddle.zeros([1, 0, cfg.hidden_size]), paddle.zeros([1, 0, 4], dtype="int32"))
     with pytest.raises(ValueError, match=r"^token_indices: expected \[B, S, L\] with B=1 and S=8 \(from hidden_states\)"):
         layer(x, idx[:, :7])
-    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor, got numpy.ndarray"):
         layer(x, idx.numpy())
     full = init_full_weights(cfg)
     full["wo"] = full["wo"][:-1]
@@ -373,10 +399,10 @@ def test_packed_errors(rng):
 TRAIN_STEP = REPO_ROOT / "tools" / "train_step.py"
 
 
-def _train_step(*args, timeout=120):
+def _train_step(*args, timeout=120, progress=False):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src"))
     return subprocess.run(
-        [sys.executable, str(TRAIN_STEP), "--no-progress", *args],
+        [sys.executable, str(TRAIN_STEP), *([] if progress else ["--no-progress"]), *args],
         capture_output=True, text=True, timeout=timeout, env=env,
     )
 
@@ -401,6 +427,48 @@ def test_train_step_packed_documents():
             "(lengths 7,90,0,1,30)") in res.stdout, res.stdout
     losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
+
+
+def test_train_step_terminal_holds_only_its_own_lines():
+    """No "No ccache found" warning from `import paddle`, and no progress bar when the output
+    is not a terminal (tqdm's carriage-return frames used to interleave with the step lines in
+    a file), even without --no-progress."""
+    res = _train_step("--config", "deepseek_v32_small", "--steps", "2", "--seq-len", "32",
+                      progress=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stderr == ""
+    lines = res.stdout.splitlines()
+    assert len(lines) == 2 + 2 * 2 + 1, res.stdout  # config, inputs, 2 x (step, norms), done
+    assert "\r" not in res.stdout and "it/s" not in res.stdout
+
+
+def test_train_step_help_shows_defaults_and_examples():
+    res = _train_step("--help", timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = " ".join(res.stdout.split())  # as one line: independent of the terminal width
+    for text in ("--steps STEPS training steps (default: 5)",
+                 "--batch BATCH sequences per step (default: 1)",
+                 "--lr LR AdamW learning rate (default: 0.001)",
+                 "--seed SEED seed of the weights, inputs and indices (default: 0)",
+                 "--seq-len SEQ_LEN tokens per sequence (default: 4096 on a GPU, 512 on CPU)",
+                 "(default: min(config index_topk, --seq-len))",
+                 "--timeout TIMEOUT seconds before", "default: 600)",
+                 "--config CONFIG preset name", "(default: deepseek_v32 on a GPU, "):
+        assert text in out, text
+    assert "Examples: # CPU, small preset" in out
+    assert "python tools/train_step.py --config deepseek_v32_small --nproc 4" in out
+
+
+@pytest.mark.parametrize("sig_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_train_step_stops_on_ctrl_c_and_sigterm_with_one_line(sig_name, code):
+    import signal
+
+    rc, out, err, seconds, _ = run_until_signalled(
+        TRAIN_STEP, ["--config", "deepseek_v32_small", "--steps", "100000", "--seq-len", "32",
+                     "--no-progress"], "step 1:", getattr(signal, sig_name))
+    assert rc == code, out + err
+    assert seconds < 20
+    assert re.fullmatch(rf"interrupted by {sig_name} at step \d+ of 100000\n", err), err
 
 
 def test_train_step_exits_nonzero_on_nan():
@@ -431,6 +499,17 @@ def test_train_step_exits_nonzero_on_nan():
          "--doc-lens sums to 30 tokens, --seq-len says 31"),
         (("--doc-lens", "10,20", "--batch", "2"),
          "--doc-lens packs the documents into one row: --batch must be 1, got 2"),
+        (("--doc-lens", "10,20", "--topk", "31"),
+         "argument --topk: expected at most the sequence length 30 (the --doc-lens sum), got 31"),
+        # more keys than tokens: most slots would be padding (16x slower, nothing learned)
+        (("--topk", "600"), "argument --topk: expected at most the sequence length 512 "
+                            "(--seq-len), got 600"),
+        (("--seq-len", "64", "--topk", "65"), "argument --topk: expected at most the sequence "
+                                              "length 64 (--seq-len), got 65"),
+        (("--inject-nan", "-1"), "argument --inject-nan: expected a step in [0, 5) (--steps 5), "
+                                 "got -1"),
+        (("--steps", "3", "--inject-nan", "99"), "argument --inject-nan: expected a step in "
+                                                 "[0, 3) (--steps 3), got 99"),
     ],
 )
 def test_train_step_argument_errors(args, message):
@@ -450,6 +529,17 @@ def test_train_step_nproc_must_divide_heads():
 def test_train_step_config_errors(tmp_path):
     res = _train_step("--config", str(CONFIG_DIR / "deepseek_v32.json"), "--device", "cpu")
     assert res.returncode != 0 and "tilelang" in res.stderr
+    # The config asks for tilelang: the hint names the cheap way and what the costly one costs.
+    res = _train_step("--config", "deepseek_v32", "--device", "cpu", timeout=60)
+    assert res.returncode == 1
+    assert "config 'deepseek_v32' asks for backward_backend='tilelang'" in res.stderr
+    assert "--config deepseek_v32_small" in res.stderr and "~5 GB" in res.stderr, res.stderr
+    # The flag asks for tilelang: the message says so, not "the config".
+    res = _train_step("--config", "deepseek_v32_small", "--backward-backend", "tilelang",
+                      "--device", "cpu", timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.startswith("error: --backward-backend tilelang needs a CUDA GPU"), res.stderr
+    assert "config" not in res.stderr
     bad = tmp_path / "bad.json"
     bad.write_text('{"hidden_size": 8}')
     res = _train_step("--config", str(bad))

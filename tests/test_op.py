@@ -26,7 +26,7 @@ from paddlefleet.tilelang_ops.attn.op import (
     resolve_backward_backend,
     sparse_mqa_attention,
 )
-from paddlefleet.tilelang_ops.attn.reference import sparse_mqa_bwd_ref, sparse_mqa_fwd_ref
+from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref, sparse_mqa_fwd_ref
 
 TOL = 1e-5  # fp32 op vs float64 dense
 
@@ -100,8 +100,9 @@ def test_equals_reference_exactly(rng):
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     out, tq, tkv, tsk = _run_op(q, kv, idx, sk, grad, d_v, 0.1, backend="reference")
     t = paddle.to_tensor
-    ref_out, _ = sparse_mqa_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)
-    dq, dkv, dsink = sparse_mqa_bwd_ref(t(q), t(kv), t(grad), t(idx), 0.1, t(sk), d_v=d_v)
+    ref_out, ref_lse = sparse_mqa_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)
+    dq, dkv, dsink = mqa_latent_sparse_bwd_ref(t(q), t(kv), ref_out, t(grad), ref_lse, t(sk), t(idx),
+                                               0.1)
     np.testing.assert_array_equal(out.numpy(), ref_out.numpy())
     np.testing.assert_array_equal(tq.grad.numpy(), dq.numpy())
     np.testing.assert_array_equal(tkv.grad.numpy(), dkv.numpy())
@@ -155,6 +156,25 @@ def test_errors_raised_at_call(rng):
             sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(bad_sink), d_v=d_v)
 
 
+def test_non_paddle_inputs_name_the_argument_and_the_type(rng):
+    """numpy arrays used to give "expected a paddle.Tensor or torch.Tensor, got ndarray" (no
+    argument named) and torch tensors "got Tensor"."""
+    q, kv, idx, sk, grad, d_v = _inputs(rng)
+    t = paddle.to_tensor
+    with pytest.raises(TypeError, match=r"^query: expected a paddle.Tensor, got numpy.ndarray$"):
+        sparse_mqa_attention(q, t(kv), t(idx), 0.1, t(sk), d_v=d_v)
+    with pytest.raises(TypeError, match=r"^kv: expected a paddle.Tensor or torch.Tensor, got "
+                                        r"numpy.ndarray$"):
+        sparse_mqa_attention(t(q), kv, t(idx), 0.1, t(sk), d_v=d_v)
+    with pytest.raises(TypeError, match=r"^attn_sink: .*got list$"):
+        sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, sk.tolist(), d_v=d_v)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^query: expected a paddle.Tensor, got torch.Tensor "
+                                        r"\(this is Paddle's autograd op"):
+        sparse_mqa_attention(torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(idx),
+                             0.1, torch.from_numpy(sk), d_v=d_v)
+
+
 def test_float64_inputs_computed_in_float64(rng):
     """fp64 inputs get the fp64 reference (fp32 compute would leave ~1e-7 errors)."""
     q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)
@@ -192,8 +212,8 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
                  block_h=None, deterministic=True, lse_format="natural", **kwargs):
         calls["bwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
                             deterministic=deterministic, lse_format=lse_format)
-        return sparse_mqa_bwd_ref(query, kv_, grad_out, token_indices, sm_scale, attn_sink,
-                                  d_v=int(out.shape[-1]))
+        return mqa_latent_sparse_bwd_ref(query, kv_, out, grad_out, lse, attn_sink, token_indices,
+                                         sm_scale)
 
     fake = types.ModuleType("paddlefleet.tilelang_ops.attn.interface")
     fake.mqa_latent_sparse_fwd, fake.mqa_latent_sparse_bwd = fake_fwd, fake_bwd
@@ -213,7 +233,7 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     np.testing.assert_array_equal(fwd["idx"], idx)
     assert bwd["deterministic"] is True and bwd["lse_format"] == "natural"
     t = paddle.to_tensor
-    dq, dkv, dsink = sparse_mqa_bwd_ref(t(q), t(kv), t(grad), t(idx), 0.1, t(sk), d_v=d_v)
+    dq, dkv, dsink = mqa_latent_sparse_bwd_ref(t(q), t(kv), None, t(grad), None, t(sk), t(idx), 0.1)
     assert rel_l2(tq.grad, dq) < 1e-6
     assert rel_l2(tkv.grad, dkv) < 1e-6
     assert rel_l2(tsk.grad, dsink) < 1e-6

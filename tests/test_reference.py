@@ -25,6 +25,8 @@ from paddlefleet.tilelang_ops.attn.checks import Dims
 from paddlefleet.tilelang_ops.attn.reference import (
     lse_log2_sink_to_natural,
     lse_natural_to_log2_sink,
+    mqa_latent_sparse_bwd_ref,
+    mqa_latent_sparse_fwd_ref,
     sparse_mqa_bwd_ref,
     sparse_mqa_fwd_ref,
 )
@@ -126,9 +128,8 @@ def run_ref(fw, c, dtype="float64"):
     args = (fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]))
     sink = None if c["sink"] is None else fw.t(c["sink"])
     out, lse = sparse_mqa_fwd_ref(*args, c["scale"], attn_sink=sink, d_v=DV, dtype=dtype)
-    dq, dkv, dsink = sparse_mqa_bwd_ref(
-        args[0], args[1], fw.t(c["grad_out"]), args[2], c["scale"], attn_sink=sink, d_v=DV,
-        dtype=dtype,
+    dq, dkv, dsink = mqa_latent_sparse_bwd_ref(
+        args[0], args[1], out, fw.t(c["grad_out"]), lse, sink, args[2], c["scale"], dtype=dtype
     )
     return out, lse, dq, dkv, dsink
 
@@ -208,12 +209,12 @@ def test_bf16_inputs_on_paddle_cpu(paddle_fw, rng):
     c = make_case(rng, 2, 3, True, dtype=np.float32)
     q16, kv16, do16 = (fw.t(c[k]).astype("bfloat16") for k in ("q", "kv", "grad_out"))
     sink, idx = fw.t(c["sink"]), fw.t(c["idx"])
-    got = sparse_mqa_fwd_ref(q16, kv16, idx, c["scale"], sink, d_v=DV) + sparse_mqa_bwd_ref(
-        q16, kv16, do16, idx, c["scale"], sink, d_v=DV
+    got = sparse_mqa_fwd_ref(q16, kv16, idx, c["scale"], sink, d_v=DV) + mqa_latent_sparse_bwd_ref(
+        q16, kv16, None, do16, None, sink, idx, c["scale"]
     )
     q32, kv32, do32 = (t.astype("float32") for t in (q16, kv16, do16))
-    want = sparse_mqa_fwd_ref(q32, kv32, idx, c["scale"], sink, d_v=DV) + sparse_mqa_bwd_ref(
-        q32, kv32, do32, idx, c["scale"], sink, d_v=DV
+    want = sparse_mqa_fwd_ref(q32, kv32, idx, c["scale"], sink, d_v=DV) + mqa_latent_sparse_bwd_ref(
+        q32, kv32, None, do32, None, sink, idx, c["scale"]
     )
     for g, w in zip(got, want):
         assert str(g.dtype).endswith("float32")
@@ -394,8 +395,13 @@ def test_bad_arguments(paddle_fw, rng):
         sparse_mqa_fwd_ref(q, kv, idx, float("nan"), d_v=DV)
     with pytest.raises(TypeError, match="query"):
         sparse_mqa_fwd_ref(c["q"], kv, idx, 0.1, d_v=DV)
-    with pytest.raises(ValueError, match="grad_out"):
-        sparse_mqa_bwd_ref(q, kv, do[..., :-1], idx, 0.1, d_v=DV)
+    out, lse = sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV)
+    with pytest.raises(ValueError, match=r"^out: expected shape \[B, S, H, Dv\]"):
+        mqa_latent_sparse_bwd_ref(q, kv, out, do[..., :-1], lse, None, idx, 0.1)  # Dv: grad_out
+    with pytest.raises(ValueError, match="^lse: expected shape"):
+        mqa_latent_sparse_bwd_ref(q, kv, out, do, lse[:, :-1], None, idx, 0.1)
+    with pytest.raises(TypeError, match="^out: expected a paddle.Tensor or torch.Tensor, got numpy.ndarray"):
+        mqa_latent_sparse_bwd_ref(q, kv, out.numpy(), do, lse, None, idx, 0.1)
     with pytest.raises(ValueError, match="token_indices"):
         bad = c["idx"].copy()
         bad[0, 0, 0] = S_KV
@@ -489,7 +495,7 @@ def test_lse_bridge_bad_input(fw, rng):
 
 def test_lse_bridge_names_a_non_tensor_sink(fw, rng):
     lse, sink = _lse_case(rng)
-    with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got numpy.ndarray"):
         lse_natural_to_log2_sink(fw.t(lse), sink)
     with pytest.raises(TypeError, match="^attn_sink: expected a paddle.Tensor or torch.Tensor, got list"):
         lse_log2_sink_to_natural(fw.t(lse), list(sink))
@@ -514,8 +520,8 @@ def test_non_finite_sink_rejected(fw, rng, value):
     with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf.*heads \[1\]"):
         sparse_mqa_fwd_ref(*args, fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV)
     with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf"):
-        sparse_mqa_bwd_ref(*args, fw.t(c["grad_out"]), fw.t(c["idx"]), c["scale"],
-                           fw.t(c["sink"]), d_v=DV)
+        mqa_latent_sparse_bwd_ref(*args, None, fw.t(c["grad_out"]), None, fw.t(c["sink"]),
+                                  fw.t(c["idx"]), c["scale"])
 
 
 def test_probabilities_do_not_mask_nan(paddle_fw, rng):
@@ -541,8 +547,8 @@ def test_probabilities_do_not_mask_nan(paddle_fw, rng):
 def test_backward_requires_grad_out(fw, rng):
     c = make_case(rng, 1, 3, True)
     with pytest.raises(TypeError, match="^grad_out: expected a paddle.Tensor or torch.Tensor, got None"):
-        sparse_mqa_bwd_ref(fw.t(c["q"]), fw.t(c["kv"]), None, fw.t(c["idx"]), c["scale"],
-                           fw.t(c["sink"]), d_v=DV)
+        mqa_latent_sparse_bwd_ref(fw.t(c["q"]), fw.t(c["kv"]), None, None, None,
+                                  fw.t(c["sink"]), fw.t(c["idx"]), c["scale"])
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.5, 1e39, 1e-46, float("nan")])
@@ -551,3 +557,50 @@ def test_sm_scale_rejected(fw, rng, scale):
     c = make_case(rng, 1, 2, False)
     with pytest.raises(ValueError, match="^sm_scale: expected a finite float > 0"):
         sparse_mqa_fwd_ref(fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), scale, d_v=DV)
+
+
+# --- the reference takes the kernels' arguments -------------------------------------------------
+
+
+def test_reference_arguments_are_the_kernels():
+    """``mqa_latent_sparse_bwd_ref`` takes ``mqa_latent_sparse_bwd``'s arguments in its order
+    (issue: the reference had ``grad_out, token_indices, sm_scale, attn_sink``)."""
+    import inspect
+
+    from paddlefleet.tilelang_ops.attn import interface
+
+    kernel_bwd = list(inspect.signature(interface.mqa_latent_sparse_bwd).parameters)[:8]
+    assert kernel_bwd == ["query", "kv", "out", "grad_out", "lse", "attn_sink",
+                          "token_indices", "sm_scale"]
+    assert list(inspect.signature(mqa_latent_sparse_bwd_ref).parameters)[:8] == kernel_bwd
+    kernel_fwd = list(inspect.signature(interface.mqa_latent_sparse_fwd).parameters)[:6]
+    assert list(inspect.signature(mqa_latent_sparse_fwd_ref).parameters)[:6] == kernel_fwd
+    assert mqa_latent_sparse_fwd_ref is sparse_mqa_fwd_ref
+
+
+def test_reference_backward_in_kernel_order_matches_autograd(paddle_fw, rng):
+    """Positional call in the kernel's order; out and lse given or None give the same result."""
+    fw = paddle_fw
+    c = make_case(rng, 2, 3, True)
+    q, kv, idx, do, sink = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out", "sink"))
+    out, lse = sparse_mqa_fwd_ref(q, kv, idx, c["scale"], sink, d_v=DV, dtype="float64")
+    got = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, c["scale"], dtype="float64")
+    bare = mqa_latent_sparse_bwd_ref(q, kv, None, do, None, sink, idx, c["scale"],
+                                     dtype="float64")
+    for g, b in zip(got, bare):
+        np.testing.assert_array_equal(fw.np(g), fw.np(b))
+    for g, w in zip(got, autograd_grads(c)):
+        assert rel_l2(fw.np(g), w) < 1e-12
+
+
+def test_old_backward_name_still_works_and_warns(fw, rng):
+    c = make_case(rng, 1, 3, True)
+    q, kv, idx, do, sink = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out", "sink"))
+    with pytest.warns(DeprecationWarning, match="mqa_latent_sparse_bwd_ref"):
+        old = sparse_mqa_bwd_ref(q, kv, do, idx, c["scale"], sink, d_v=DV, dtype="float64")
+    new = mqa_latent_sparse_bwd_ref(q, kv, None, do, None, sink, idx, c["scale"],
+                                    dtype="float64")
+    for o, n in zip(old, new):
+        np.testing.assert_array_equal(fw.np(o), fw.np(n))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="grad_out"):
+        sparse_mqa_bwd_ref(q, kv, do, idx, c["scale"], sink, d_v=DV - 1)

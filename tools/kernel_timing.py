@@ -42,21 +42,46 @@ def _time(fn, warmup=3, reps=10):
     return statistics.median(times), min(times), max(times)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=_positive_int, default=1, help="default: %(default)s")
+    ap.add_argument("--seq", type=_positive_int, default=4096, help="default: %(default)s")
+    ap.add_argument("--seq-kv", type=_positive_int, default=8192, help="default: %(default)s")
+    ap.add_argument("--heads", type=_positive_int, nargs="+", default=[64],
+                    help="one or more head counts (default: 64)")
+    ap.add_argument("--topk", type=_positive_int, default=2048, help="default: %(default)s")
+    ap.add_argument("--sink", action="store_true")
+    ap.add_argument("--reps", type=_positive_int, default=10, help="default: %(default)s")
+    ns = ap.parse_args(argv)
+    # The kernels run on a CUDA device through PyTorch: without one, a usage error (exit 2)
+    # instead of a traceback from the first .cuda() call.
+    try:
+        import torch
+    except ImportError:
+        ap.error("needs PyTorch with CUDA (torch is not installed; see README.md, "
+                 "'GPU validation environment')")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device through PyTorch (torch.cuda.is_available() is False)")
+    return ns
+
+
 def main(argv=None):
+    ns = _parse(argv)
     import torch
 
     from paddlefleet.tilelang_ops.attn import interface
     from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--seq-kv", type=int, default=8192)
-    ap.add_argument("--heads", type=int, nargs="+", default=[64])
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--sink", action="store_true")
-    ap.add_argument("--reps", type=int, default=10)
-    ns = ap.parse_args(argv)
     B, S, S_kv, L = ns.batch, ns.seq, ns.seq_kv, ns.topk
     idx = torch.from_numpy(causal_topk_indices(B, S, S_kv, L, seed=0)).cuda()
     sm = DK ** -0.5

@@ -5,16 +5,18 @@ Builds :class:`~paddlefleet.tilelang_ops.attn.layer.MQALatentAttention` from a c
 name or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
 printing per step the loss, the global gradient norm and the gradient norm of every parameter
 (tensor-parallel shards are combined, so the numbers are the same for any ``--nproc``).  Exits
-with status 1 as soon as a loss or gradient is not finite.
+with status 1 as soon as a loss or gradient is not finite, 2 on a usage error, and 130 / 143
+when stopped by Ctrl-C / SIGTERM (every rank is stopped too).
 
 Examples:
     # CPU, small preset, reference backward (a few seconds)
-    PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small
-    # the same, heads split over 4 ranks (re-launches itself with paddle.distributed.launch)
-    PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small --nproc 4
+    python tools/train_step.py --config deepseek_v32_small
+    # the same, heads split over 4 ranks (re-launches itself with paddle.distributed.launch;
+    # the terminal shows rank 0's lines, every rank's full log is in the folder it names)
+    python tools/train_step.py --config deepseek_v32_small --nproc 4
     # packed documents of 100, 412 and 0 tokens in one row (B = 1, cu_seqlens, per-document
     # causal top-k indices, RoPE restarting in each document)
-    PYTHONPATH=src python tools/train_step.py --config deepseek_v32_small --doc-lens 100,412,0
+    python tools/train_step.py --config deepseek_v32_small --doc-lens 100,412,0
     # Hopper GPU with paddlepaddle-gpu + tilelang-paddle: DeepSeek-V3.2 attention shape
     # (S = 4096, top-k 2048, 128 heads, Dk 576 / Dv 512), TileLang forward and backward
     python tools/train_step.py --config deepseek_v32 --backward-backend tilelang
@@ -24,23 +26,35 @@ batch 1, 4096 tokens.  The top-k width is ``min(config.index_topk, seq_len)``; i
 from ``causal_topk_indices`` (random causal keys; the DSA indexer is out of scope).  With
 ``--doc-lens`` the row packs documents of those lengths (``S`` = their sum, ``B`` = 1); indices
 come from ``varlen_causal_topk_indices`` and the default top-k width is
-``min(config.index_topk, longest document)``.
+``min(config.index_topk, longest document)``.  The progress bar is drawn only on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
+import tempfile
 import time
+import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(REPO, "src")
 if SRC not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, SRC)
 
-from paddlefleet.tilelang_ops.launch import launch_ranks  # noqa: E402  (needs SRC on sys.path)
+# Printed by every `import paddle` on a machine without ccache; not about this script.
+warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+
+from paddlefleet.tilelang_ops.launch import (  # noqa: E402  (needs SRC on sys.path)
+    CONSOLE_ENV,
+    LaunchInterrupted,
+    StopSignals,
+    launch_ranks,
+)
 
 # Set by paddle.distributed.launch in every rank it starts.
 _IN_LAUNCHED_RANK = "PADDLE_TRAINER_ID" in os.environ and "PADDLE_TRAINERS_NUM" in os.environ
@@ -72,36 +86,51 @@ _doc_lens = _arg_type(lambda text: [int(n) for n in text.split(",")],
                       "comma-separated document lengths >= 0 with a sum >= 1, e.g. 100,412")
 
 
-def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def _parser() -> argparse.ArgumentParser:
+    intro, rest = __doc__.split("\n\n", 1)
+    p = argparse.ArgumentParser(prog="train_step.py", description=intro, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
-                   help="preset name (deepseek_v32, deepseek_v32_small) or JSON path; "
-                        "default: deepseek_v32 on GPU, deepseek_v32_small on CPU")
+                   help="preset name (deepseek_v32, deepseek_v32_small) or JSON path "
+                        "(default: deepseek_v32 on a GPU, deepseek_v32_small on CPU)")
     p.add_argument("--backward-backend", choices=("tilelang", "reference"), default=None,
-                   help="override the config's backward_backend")
-    p.add_argument("--steps", type=_positive_int, default=5)
-    p.add_argument("--batch", type=_positive_int, default=1)
+                   help="override the config's backward_backend (default: the config's)")
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="training steps (default: %(default)s)")
+    p.add_argument("--batch", type=_positive_int, default=1,
+                   help="sequences per step (default: %(default)s)")
     p.add_argument("--seq-len", type=_positive_int, default=None,
-                   help="default: 4096 on GPU, 512 on CPU")
+                   help="tokens per sequence (default: 4096 on a GPU, 512 on CPU)")
     p.add_argument("--topk", type=_positive_int, default=None,
-                   help="default: min(index_topk, seq_len)")
-    p.add_argument("--lr", type=_positive_float, default=1e-3)
-    p.add_argument("--seed", type=_non_negative_int, default=0)
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+                   help="keys per query row, at most --seq-len "
+                        "(default: min(config index_topk, --seq-len))")
+    p.add_argument("--lr", type=_positive_float, default=1e-3,
+                   help="AdamW learning rate (default: %(default)g)")
+    p.add_argument("--seed", type=_non_negative_int, default=0,
+                   help="seed of the weights, inputs and indices (default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto: the GPU when Paddle sees one (default: %(default)s)")
     p.add_argument("--nproc", type=_positive_int, default=1,
                    help="tensor-parallel ranks; >1 re-launches this script with "
-                        "paddle.distributed.launch")
+                        "paddle.distributed.launch (default: %(default)s)")
     p.add_argument("--timeout", type=_positive_float, default=600.0,
-                   help="seconds before a multi-rank run is killed (a broken rendezvous hangs)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+                   help="seconds before a multi-rank run is killed (a broken rendezvous hangs; "
+                        "default: %(default)g)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn only on a terminal anyway)")
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
-                   help="put a NaN into the input at this step (tests the non-finite exit)")
+                   help="put a NaN into the input at this step, in [0, --steps) (tests the "
+                        "non-finite exit; default: none)")
     p.add_argument("--doc-lens", type=_doc_lens, default=None, metavar="N,N,...",
                    help="pack documents of these lengths into one row (B 1, S = their sum, "
-                        "cu_seqlens, per-document causal top-k)")
-    args = p.parse_args(argv)
-    if args.doc_lens is not None:
+                        "cu_seqlens, per-document causal top-k; the top-k default becomes "
+                        "min(config index_topk, longest document); default: none, no packing)")
+    return p
+
+
+def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool) -> None:
+    """Device-dependent defaults, and the checks that relate two arguments (usage errors)."""
+    if args.doc_lens is not None:  # packed documents: S is their sum, in one row
         total = sum(args.doc_lens)
         if args.seq_len is not None and args.seq_len != total:
             p.error(f"--doc-lens sums to {total} tokens, --seq-len says {args.seq_len}; "
@@ -109,17 +138,39 @@ def _parse(argv=None):
         if args.batch != 1:
             p.error(f"--doc-lens packs the documents into one row: --batch must be 1, got "
                     f"{args.batch}")
-    return args
+        args.seq_len = total
+    if args.seq_len is None:
+        args.seq_len = 4096 if on_gpu else 512
+    if args.topk is not None and args.topk > args.seq_len:
+        # every slot past the sequence would be an empty (-1) slot: slower, nothing learned
+        p.error(f"argument --topk: expected at most the sequence length {args.seq_len} "
+                f"({'the --doc-lens sum' if args.doc_lens is not None else '--seq-len'}), "
+                f"got {args.topk}")
+    if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
+        p.error(f"argument --inject-nan: expected a step in [0, {args.steps}) (--steps "
+                f"{args.steps}), got {args.inject_nan}")
 
 
 def _relaunch(args, argv) -> int:
-    """Run this script on ``args.nproc`` ranks; returns the exit status (124 on timeout)."""
+    """Run this script on ``args.nproc`` ranks; returns the exit status (124 on timeout).
+
+    The terminal gets rank 0's own lines only (through the launch console); the launcher's and
+    Paddle's output stays in the rank logs, whose folder is named first."""
     devices = range(args.nproc) if _use_gpu(args.device) else None
-    res = launch_ranks(os.path.abspath(__file__), args.nproc, argv, timeout=args.timeout,
-                       devices=devices, log_prefix="train_step_logs_")
+    # The bar is drawn on this process's stdout (copied from rank 0): only if it is a terminal.
+    progress = not args.no_progress and sys.stdout.isatty()
+    rank_argv = list(argv) + ([] if progress else ["--no-progress"])
+    log_dir = tempfile.mkdtemp(prefix="train_step_logs_")
+    print(f"launching {args.nproc} ranks; their logs: {log_dir}/workerlog.0 .. "
+          f"workerlog.{args.nproc - 1}", flush=True)
+    res = launch_ranks(os.path.abspath(__file__), args.nproc, rank_argv, timeout=args.timeout,
+                       devices=devices, console=True, log_dir=log_dir)
     if res.timed_out:
         print(f"error: {args.nproc}-rank run timed out after {args.timeout:.0f} s; "
               f"see {res.log_dir}/workerlog.*", file=sys.stderr)
+    elif res.returncode != 0:
+        print(f"error: the {args.nproc}-rank run exited with status {res.returncode}; see "
+              f"{res.log_dir}/workerlog.*", file=sys.stderr)
     return res.returncode
 
 
@@ -173,14 +224,56 @@ def _load_config(args, on_gpu: bool, world: int):
     except (ValueError, TypeError, OSError) as e:
         raise SystemExit(f"error: --config {name} with --nproc {world}: {e}") from None
     if cfg.backward_backend == "tilelang" and not on_gpu:
+        if args.backward_backend == "tilelang":
+            raise SystemExit(
+                "error: --backward-backend tilelang needs a CUDA GPU (the TileLang kernels are "
+                "built for Hopper, sm_90a) and this Paddle build sees none; use "
+                "--backward-backend reference on CPU"
+            )
         raise SystemExit(
             f"error: config {name!r} asks for backward_backend='tilelang', which needs a CUDA "
-            "GPU; pass --backward-backend reference to run on CPU"
+            "GPU. On CPU: --config deepseek_v32_small (a few seconds), or --backward-backend "
+            f"reference to run {name!r} on the fp32 reference{_cpu_cost(cfg)}"
         )
     return name, cfg
 
 
-def train(args) -> int:
+def _cpu_cost(cfg) -> str:
+    """What the CPU reference costs at the deepseek_v32 sizes (measured), for the hint."""
+    from paddlefleet.tilelang_ops.attn.config import get_preset
+
+    full = get_preset("deepseek_v32", backward_backend=None,
+                      tensor_parallel_degree=cfg.tensor_parallel_degree)
+    if cfg.replace(backward_backend=None) != full:
+        return " (slow at full model sizes)"
+    return _DEEPSEEK_V32_CPU_COST
+
+
+#: Measured with --config deepseek_v32 --backward-backend reference on 2 CPU cores (defaults:
+#: batch 1, 512 tokens, top-k 512): peak RSS 4.9 GB and steps of 125-161 s on a busy machine;
+#: 76 s per step on an idle one (issue 12).
+_DEEPSEEK_V32_CPU_COST = (" (slow: ~5 GB of memory and 1-3 minutes per step on 2 cores, at the "
+                          "default 512 tokens)")
+
+
+def _rank_output(rank: int):
+    """``(out, progress_file)``: where this process's own lines and its progress bar go.
+
+    Rank 0 of a ``--nproc`` run writes to the launch console (copied to the terminal of the
+    process that launched it); every other process to stdout / stderr.  ``out`` is None for
+    ranks other than 0 (they print nothing of their own)."""
+    if rank != 0:
+        return None, None
+    console = os.environ.get(CONSOLE_ENV) if _IN_LAUNCHED_RANK else None
+    if console:
+        f = open(console, "a", encoding="utf-8", buffering=1)  # line-buffered: lines arrive whole
+        return f, f
+    return sys.stdout, sys.stderr
+
+
+def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> int:
+    """The training run of one rank.  With ``stop`` (active), SIGINT / SIGTERM end it with one
+    line and the status 128 + signal."""
     import numpy as np
     import paddle
     import paddle.distributed as dist
@@ -194,6 +287,7 @@ def train(args) -> int:
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
 
     on_gpu = _use_gpu(args.device)
+    _resolve(p, args, on_gpu)
     if not on_gpu:
         paddle.set_device("cpu")
     world, rank = 1, 0
@@ -202,20 +296,29 @@ def train(args) -> int:
         world, rank = dist.get_world_size(), dist.get_rank()
     elif on_gpu:
         paddle.set_device("gpu")
-    log = (lambda msg: tqdm.write(msg)) if rank == 0 else (lambda msg: None)
+    out, bar_file = _rank_output(rank)
+    to_console = out is not None and out is not sys.stdout
+
+    def log(msg: str) -> None:
+        if out is None:
+            return
+        tqdm.write(msg, file=out)
+        if to_console:
+            print(msg, flush=True)  # and into this rank's own log
 
     name, cfg = _load_config(args, on_gpu, world)
-    # None means "not given"; 0 never reaches here (argparse rejects it).
-    S = args.seq_len if args.seq_len is not None else (4096 if on_gpu else 512)
+    S, B = args.seq_len, args.batch
     L = args.topk if args.topk is not None else min(cfg.index_topk, S)
-    B = args.batch
     cu_np = cu_seqlens = None
-    if args.doc_lens is not None:  # packed documents (_parse checked B 1 and --seq-len)
+    if args.doc_lens is not None:  # packed documents (_resolve checked B 1 and S = their sum)
         cu_np = cu_seqlens_from_lengths(args.doc_lens)
-        S = int(cu_np[-1])
         L = args.topk if args.topk is not None else min(cfg.index_topk, max(args.doc_lens))
         # on the host: the layer reads it for RoPE positions and checks only (no device sync)
         cu_seqlens = paddle.to_tensor(cu_np, place=paddle.CPUPlace())
+    log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
+        f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
+        f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
+        f"device {'gpu' if on_gpu else 'cpu'}")
 
     layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=layer.parameters())
@@ -226,56 +329,100 @@ def train(args) -> int:
         idx = paddle.to_tensor(causal_topk_indices(B, S, S, L, seed=args.seed + 2))
     else:
         idx = paddle.to_tensor(varlen_causal_topk_indices(cu_np, L, seed=args.seed + 2))
-    log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
-        f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
-        f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
-        f"device {'gpu' if on_gpu else 'cpu'}")
     packed = "" if cu_np is None else (
         f", {len(args.doc_lens)} packed documents (lengths {','.join(map(str, args.doc_lens))})")
     log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}{packed}")
 
+    # A bar only where it can be drawn: on a terminal, or on the console of a launch whose
+    # caller is on one (it passes --no-progress otherwise).
+    show_bar = out is not None and not args.no_progress and (to_console or bar_file.isatty())
     status = 0
     losses = []
-    for step in tqdm(range(args.steps), desc="train", disable=rank != 0 or args.no_progress):
-        t0 = time.perf_counter()
-        x_step = x
-        if step == args.inject_nan:
-            x_step = x.clone()
-            x_step[0, 0, 0] = float("nan")
-        y = layer(x_step, idx, cu_seqlens=cu_seqlens)
-        loss = ((y - target) ** 2).mean()
-        loss.backward()
-        norms = _grad_norms(layer, layer.group)
-        loss_v = float(loss)
-        finite = math.isfinite(loss_v) and all(math.isfinite(v) for v in norms.values())
-        if finite:
-            opt.step()
-        opt.clear_grad()
-        ms = (time.perf_counter() - t0) * 1e3
-        parts = " ".join(f"{k} {v:.3e}" for k, v in norms.items() if k != "total")
-        log(f"step {step}: loss {loss_v:.6f}  grad_norm {norms['total']:.4e}  ({ms:.0f} ms)")
-        log(f"  grad norms: {parts}")
-        losses.append(loss_v)
-        if not finite:
-            bad = [k for k, v in norms.items() if not math.isfinite(v)]
-            print(f"error: non-finite loss/gradient at step {step} (loss {loss_v}, "
-                  f"non-finite grad norms: {bad or 'none'})", file=sys.stderr, flush=True)
-            status = 1
-            break
+    step = 0
+    try:
+        for step in tqdm(range(args.steps), desc="train", disable=not show_bar,
+                         file=bar_file or sys.stderr):
+            t0 = time.perf_counter()
+            x_step = x
+            if step == args.inject_nan:
+                x_step = x.clone()
+                x_step[0, 0, 0] = float("nan")
+            y = layer(x_step, idx, cu_seqlens=cu_seqlens)
+            loss = ((y - target) ** 2).mean()
+            # (not cut in the middle: a signal there is acted on when the backward is done)
+            with stop.deferred() if stop else contextlib.nullcontext():
+                loss.backward()
+            norms = _grad_norms(layer, layer.group)
+            loss_v = float(loss)
+            finite = math.isfinite(loss_v) and all(math.isfinite(v) for v in norms.values())
+            if finite:
+                opt.step()
+            opt.clear_grad()
+            ms = (time.perf_counter() - t0) * 1e3
+            parts = " ".join(f"{k} {v:.3e}" for k, v in norms.items() if k != "total")
+            log(f"step {step}: loss {loss_v:.6f}  grad_norm {norms['total']:.4e}  ({ms:.0f} ms)")
+            log(f"  grad norms: {parts}")
+            losses.append(loss_v)
+            if not finite:
+                bad = [k for k, v in norms.items() if not math.isfinite(v)]
+                msg = (f"error: non-finite loss/gradient at step {step} (loss {loss_v}, "
+                       f"non-finite grad norms: {bad or 'none'})")
+                print(msg, file=sys.stderr, flush=True)
+                if to_console:
+                    log(msg)
+                status = 1
+                break
+    except (KeyboardInterrupt, Exception):
+        # Ctrl-C or SIGTERM (a second one inside the backward reaches here as Paddle's OSError)
+        if not (stop and stop.received):
+            raise
+        print(f"interrupted by {stop.received[0].name} at step {step} of {args.steps}",
+              file=sys.stderr, flush=True)
+        return 128 + stop.received[0]
     if status == 0:
         log(f"done: {len(losses)} steps, loss {losses[0]:.6f} -> {losses[-1]:.6f}")
     return status
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = _parse(argv)
-    if args.nproc > 1 and not _IN_LAUNCHED_RANK:
-        # Fail here, in one process, when the heads do not split over --nproc ranks (or the
-        # config is bad otherwise), instead of in every launched rank.
-        _load_config(args, _use_gpu(args.device), args.nproc)
-        return _relaunch(args, argv)
-    return train(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    if _IN_LAUNCHED_RANK:
+        # The launcher ends its ranks with SIGTERM; the process that launched them reports it.
+        return train(p, args)
+    try:
+        # Paddle installs a SIGTERM handler of its own when imported (it prints a C++ stack
+        # and aborts): import it first, so that ours below replaces it.
+        import paddle  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(
+            f"error: Paddle is not installed ({e}): pip install -e \".[cpu]\" for the CPU "
+            "build, or paddlepaddle-gpu on a CUDA machine (README.md, 'Installing on a CUDA "
+            "machine')"
+        ) from None
+    except KeyboardInterrupt:
+        print("interrupted by SIGINT before the first step", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    with StopSignals() as stop:
+        try:
+            if args.nproc == 1:
+                return train(p, args, stop)
+            # Fail here, in one process, on a usage error or when the heads do not split over
+            # --nproc ranks (or the config is bad otherwise), instead of in every launched rank.
+            on_gpu = _use_gpu(args.device)
+            _resolve(p, args, on_gpu)
+            _load_config(args, on_gpu, args.nproc)
+            return _relaunch(args, argv)
+        except LaunchInterrupted as e:
+            print(f"interrupted by {e.signum.name}: stopped all {args.nproc} ranks; their "
+                  f"logs: {e.log_dir}", file=sys.stderr, flush=True)
+            return 128 + e.signum
+        except KeyboardInterrupt:  # before the first step (imports, config, layer build)
+            signum = stop.received[0] if stop.received else signal.SIGINT
+            print(f"interrupted by {signum.name} before the first step", file=sys.stderr,
+                  flush=True)
+            return 128 + signum
 
 
 if __name__ == "__main__":

@@ -1,19 +1,26 @@
-"""The rank launcher's timeout really ends the ranks (regression: ranks outlived a killed launcher).
+"""The rank launcher's timeout, and Ctrl-C / SIGTERM to its caller, really end the ranks.
 
-Paddle's launcher puts each rank in a process group of its own, so killing the launcher's group
-left the ranks running with parent pid 1; a hung gloo rendezvous would then never end.
+Regressions: Paddle's launcher puts each rank in a process group of its own, so killing the
+launcher's group left the ranks running with parent pid 1 (a hung gloo rendezvous would then
+never end); and the launcher runs in a session of its own, so a Ctrl-C that ended the caller
+left the launcher and its ranks running.
 """
 
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
 
-from paddlefleet.tilelang_ops.launch import launch_ranks
+from conftest import REPO_ROOT  # noqa: E402
+from paddlefleet.tilelang_ops.launch import CONSOLE_ENV, launch_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multicard
 
@@ -27,17 +34,12 @@ time.sleep(3600)
 
 
 def _processes_running(marker: str) -> list:
+    """``(pid, command line)`` of every live process whose command line contains ``marker``."""
     found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            found.append((int(pid), cmd))
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append((p.info["pid"], cmd))
     return found
 
 
@@ -103,3 +105,81 @@ def test_stop_ends_a_launcher_that_ignores_sigterm():
     while sleepers() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert sleepers() == []
+
+
+# A rank that says it is up on the launch console, then waits to be stopped.
+_UP_AND_WAIT = f"""
+import os, time
+with open(os.environ["{CONSOLE_ENV}"], "a") as f:
+    f.write("rank up " + os.environ["PADDLE_TRAINER_ID"] + "\\n")
+time.sleep(3600)
+"""
+
+# The caller: launches two ranks with the console, reports how the launch ended.
+_CALLER = """
+import sys
+from paddlefleet.tilelang_ops.launch import LaunchInterrupted, launch_ranks
+try:
+    launch_ranks(sys.argv[1], 2, timeout=300, console=True)
+except LaunchInterrupted as e:
+    print("interrupted by", e.signum.name, "logs", e.log_dir, flush=True)
+    sys.exit(3)
+print("not interrupted", flush=True)
+"""
+
+
+class _Output:
+    """Collects a process's stdout in a thread (the test waits for lines while it runs)."""
+
+    def __init__(self, proc):
+        self.lines = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self._thread.start()
+
+    def wait_for(self, *texts, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(any(t in ln for ln in self.lines) for t in texts):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def text(self, timeout: float = 30) -> str:
+        self._thread.join(timeout)
+        return "".join(self.lines)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, signals")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_caller_ends_every_rank(tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM to the launching process: the launcher lives in a session of
+    its own and never sees the terminal's SIGINT, so the caller must stop it and its ranks
+    (regression: they kept running, and printing, after the caller died of the
+    KeyboardInterrupt).  What the ranks write to the console reaches the caller's stdout."""
+    script = tmp_path / f"up_{os.getpid()}_{int(sig)}.py"
+    script.write_text(_UP_AND_WAIT)
+    proc = subprocess.Popen([sys.executable, "-c", _CALLER, str(script)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src")))
+    output = _Output(proc)
+    try:
+        # The ranks' console lines reach the caller's stdout while they run.
+        assert output.wait_for("rank up 0", "rank up 1", timeout=120), output.lines
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) == 3, started  # the launcher and two ranks
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C: the caller's whole process group
+        proc.wait(timeout=60)
+        assert time.monotonic() - t0 < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = output.text()
+    assert proc.returncode == 3, out
+    assert f"interrupted by {sig.name} logs " in out, out
+    log_dir = out.split(" logs ", 1)[1].split()[0]
+    assert "LAUNCH INFO" in Path(log_dir, "launcher.log").read_text()  # not on the terminal
+    assert "LAUNCH" not in out
+    assert _processes_running(script.name) == []
+    assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -1,20 +1,26 @@
 """tools/train_step.py --nproc N prints the same losses and gradient norms as one process
-(the script re-launches itself with paddle.distributed.launch; shard norms are combined)."""
+(the script re-launches itself with paddle.distributed.launch; shard norms are combined), keeps
+the terminal to its own lines, and stops every rank on Ctrl-C."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_until_signalled
 
 pytestmark = pytest.mark.multicard
+
+TRAIN_STEP = REPO_ROOT / "tools" / "train_step.py"
 
 ARGS = ["--config", "deepseek_v32_small", "--steps", "2", "--seq-len", "128", "--no-progress"]
 LINES = re.compile(r"(step \d+: loss \S+\s+grad_norm \S+|  grad norms: .*)")
@@ -25,13 +31,13 @@ def _run(*extra):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src"))
     # train_step.py kills its own launcher after --timeout; the outer timeout is a backstop.
     res = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "train_step.py"), *ARGS, *extra],
+        [sys.executable, str(TRAIN_STEP), *ARGS, *extra],
         capture_output=True, text=True, timeout=150, env=env,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = LINES.findall(res.stdout)
     # Printed with 5 significant digits; TP only changes the summation order (~1e-7).
-    return lines, [float(v) for line in lines for v in FLOAT.findall(line)]
+    return lines, [float(v) for line in lines for v in FLOAT.findall(line)], res
 
 
 @pytest.mark.parametrize(
@@ -40,8 +46,47 @@ def _run(*extra):
     ids=["unpacked-tp4", "packed-tp2"],
 )
 def test_train_step_tensor_parallel_matches_single_process(extra, nproc):
-    lines, single = _run(*extra)
+    lines, single, one = _run(*extra)
     assert len(lines) == 4 and len(single) == 2 * (2 + 9), lines  # 2 steps: loss, total, 9 params
-    tp_lines, tp = _run(*extra, "--nproc", str(nproc), "--timeout", "120")
+    tp_lines, tp, res = _run(*extra, "--nproc", str(nproc), "--timeout", "120")
     assert len(tp) == len(single), tp_lines
     assert tp == pytest.approx(single, rel=1e-3), "\n".join(tp_lines + lines)
+    # The terminal holds our lines only: no launcher INFO lines, glog lines, Paddle's FLAGS
+    # banner or ccache warning (they are in the rank logs); the first line names those logs.
+    assert res.stderr == ""
+    first, *rest = res.stdout.splitlines()
+    assert _same_but_timings(rest, one.stdout.splitlines()), res.stdout + one.stdout
+    m = re.fullmatch(rf"launching {nproc} ranks; their logs: (\S+)/workerlog\.0 \.\. "
+                     rf"workerlog\.{nproc - 1}", first)
+    assert m, first
+    logs = Path(m.group(1))
+    assert sorted(p.name for p in logs.glob("workerlog.*")) == [f"workerlog.{r}"
+                                                               for r in range(nproc)]
+    assert "step 1: loss" in (logs / "workerlog.0").read_text()
+    assert "LAUNCH INFO" in (logs / "launcher.log").read_text()
+
+
+def _same_but_timings(got: list, want: list) -> bool:
+    """The lines of a multi-rank run against those of one process: equal but for the step times
+    and the per-rank head count."""
+    def norm(ln: str) -> str:
+        ln = re.sub(r"\(\d+ ms\)", "(ms)", ln)
+        return re.sub(r"\(\d+ per rank x TP \d+\)", "(h per rank x TP)", ln)
+
+    return [norm(ln) for ln in got] == [norm(ln) for ln in want]
+
+
+def test_ctrl_c_stops_every_rank_with_one_line():
+    """Ctrl-C (SIGINT to the terminal's foreground process group) during a 2-rank run: the
+    launcher, started in a session of its own, never sees it; train_step.py must stop it and
+    its ranks itself (regression: they kept training and printing after the top process died
+    with a KeyboardInterrupt traceback)."""
+    rc, out, err, seconds, started = run_until_signalled(
+        TRAIN_STEP, ["--config", "deepseek_v32_small", "--steps", "100000", "--seq-len", "32", "--nproc",
+         "2", "--no-progress"], "step 1:", signal.SIGINT, timeout=150)
+    assert rc == 130, out + err
+    assert seconds < 30
+    assert re.fullmatch(r"interrupted by SIGINT: stopped all 2 ranks; their logs: \S+\n", err), err
+    assert len(started) == 3, started  # the launcher and its two ranks ...
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []  # ... are gone when train_step.py exits

@@ -39,7 +39,10 @@ if cuda_available():
         cu_seqlens_from_lengths,
         varlen_causal_topk_indices,
     )
-    from paddlefleet.tilelang_ops.attn.reference import sparse_mqa_bwd_ref, sparse_mqa_fwd_ref
+    from paddlefleet.tilelang_ops.attn.reference import (
+        mqa_latent_sparse_bwd_ref,
+        sparse_mqa_fwd_ref,
+    )
 
 TOL = 1e-2
 DK, DV = 576, 512
@@ -190,7 +193,7 @@ def test_against_reference(case):
     assert lse.shape == (case["B"], case["S"], H) and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     runs = []
     for _ in range(3):
         runs.append(interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
@@ -282,7 +285,7 @@ def test_packed_documents_against_reference(case):
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                   provider=prov)
     ref_out, ref_lse = sparse_mqa_fwd_ref(q, kv, idx, SM_SCALE, sink)
-    ref_dq, ref_dkv, ref_ds = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     for t in (out, lse, dq, dkv, ds):
         assert not torch.isnan(t).any()
     assert bool(torch.isfinite(lse).all())  # every row sees at least itself
@@ -324,7 +327,7 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
     q, kv, do, sink, idx = _inputs(case, 21)
     prov = GuardedKernels()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
-    ref_dq, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     base = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                            provider=prov)
     for margin in (-20, -6):
@@ -354,7 +357,7 @@ def test_exact_dkv_peaked_attention():
     idx[:, :, 4:] = torch.where(dup, -1, idx[:, :, 4:])
     prov = GuardedKernels()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
-    ref_dq, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+    ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     runs = [interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                             provider=prov) for _ in range(2)]
     for a, b, name in zip(runs[0], runs[1], ("dq", "dkv", "d_sink")):
@@ -425,7 +428,7 @@ def test_new_shapes_do_not_recompile():
         assert rel_l2(out.float(), ref_out) < TOL
         dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                      provider=prov)
-        ref_dq, ref_dkv, _ = sparse_mqa_bwd_ref(q, kv, do, idx, SM_SCALE, sink)
+        ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
         assert rel_l2(dq.float(), ref_dq) < TOL and rel_l2(dkv.float(), ref_dkv) < TOL
     assert sorted({k[0] for k in prov._kernels}) == ["bwd_main", "bwd_pre", "fwd"]
     assert len(prov._kernels) == 4  # fwd, pre, main exact with dq and its re-run

@@ -4,8 +4,8 @@
     python tools/bench/bench_sparse_mqa.py --out DIR            # full run (H200: ~1 min warm)
     python tools/bench/bench_sparse_mqa.py --quick --shapes ref,tp8 --out DIR
     python tools/bench/bench_sparse_mqa.py --dry-run            # the plan, floors; no torch
-    python tools/bench/bench_sparse_mqa.py --cpu-standin --quick --shapes tiny --out /tmp/b
-        # every code path on CPU, the reference standing in for the CUDA kernels
+    python tools/bench/bench_sparse_mqa.py --cpu-standin --quick --out /tmp/b
+        # every code path on CPU (tiny shape), the reference standing in for the kernels
 
 What is timed, per shape (``--shapes``; see ``harness.SHAPES``), with CUDA events around
 each call, after a warm-up, over ``--sets`` (>= 3) input sets rotated call by call so that L2
@@ -15,7 +15,7 @@ never holds the previous call's inputs:
     bwd_atomic  mqa_latent_sparse_bwd(deterministic=False)  (ours; fp32 atomic dKV)
     bwd_det     mqa_latent_sparse_bwd(deterministic=True)   (ours; bitwise repeatable)
     ref_fwd     sparse_mqa_fwd_ref (fp32)   only where its estimated memory is under
-    ref_bwd     sparse_mqa_bwd_ref (fp32)   --ref-mem-gb, with --ref-reps repetitions
+    ref_bwd     mqa_latent_sparse_bwd_ref (fp32)  --ref-mem-gb, with --ref-reps repetitions
 and once per run a dense bf16 ``N x N x N`` matmul (``--matmul-n``, 8192) whose TFLOP/s is the
 peak that ``frac_peak`` divides by.
 
@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None,
                    help="output folder (default: $OUT if set, else tools/bench/results/)")
     p.add_argument("--shapes", default=None,
-                   help="comma-separated names, 'default' or 'all'; known: "
+                   help="comma-separated names, 'default' or 'all' (default: "
+                        f"{','.join(harness.DEFAULT_SHAPES)}; with --cpu-standin: tiny); known: "
                         + ", ".join(f"{k} ({v.dims()})" for k, v in harness.SHAPES.items()))
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
@@ -102,13 +103,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="start no new shape after this many seconds (keeps under a 10-min limit)")
     p.add_argument("--cpu-standin", action="store_true",
-                   help="run on CPU with the reference in place of the CUDA kernels")
+                   help="run on CPU with the reference in place of the CUDA kernels (shapes "
+                        "default to tiny: the GPU shapes take minutes each on CPU)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (shapes, FLOPs, floors, memory) and exit; needs no torch")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     a = p.parse_args(argv)
-    a.shape_list = harness.select_shapes(a.shapes)
+    if a.shapes is None and a.cpu_standin:
+        a.shapes = "tiny"  # the H200 shapes would grind on CPU for minutes each
+    try:
+        a.shape_list = harness.select_shapes(a.shapes)
+    except ValueError as e:  # unknown name: a usage error, not a traceback
+        p.error(str(e))
     a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
     bad = [v for v in a.variant_list if v not in VARIANTS]
     if bad:
@@ -120,7 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.ref_reps = a.ref_reps if a.ref_reps is not None else (2 if a.quick else 3)
     if a.ref_shapes is None:
         a.ref_shapes = "tiny,tp8" if a.quick else "tiny,tp8,ref"
-    a.ref_shape_names = {x.name for x in harness.select_shapes(a.ref_shapes)}
+    try:
+        a.ref_shape_names = {x.name for x in harness.select_shapes(a.ref_shapes, "--ref-shapes")}
+    except ValueError as e:
+        p.error(str(e))
     if a.sets < 3:
         p.error("--sets must be >= 3 (rotating fewer input sets lets L2 flatter the numbers)")
     if a.reps < 1 or a.warmup < 0 or a.ref_reps < 1:
@@ -215,7 +225,7 @@ def load_functions(torch, variants, cpu_standin: bool, say,
     try:
         from paddlefleet.tilelang_ops.attn import reference as ref_mod
 
-        ref_fwd, ref_bwd = ref_mod.sparse_mqa_fwd_ref, ref_mod.sparse_mqa_bwd_ref
+        ref_fwd, ref_bwd = ref_mod.sparse_mqa_fwd_ref, ref_mod.mqa_latent_sparse_bwd_ref
         ref_src = "attn.reference"
     except Exception as e:  # noqa: BLE001 - any import failure means "skip", never crash
         ref_src = None
@@ -225,7 +235,8 @@ def load_functions(torch, variants, cpu_standin: bool, say,
         return ref_fwd(i["q"], i["kv"], i["idx"], i["sm_scale"], i["sink"], d_v=i["Dv"])
 
     def call_ref_bwd(i):
-        return ref_bwd(i["q"], i["kv"], i["dO"], i["idx"], i["sm_scale"], i["sink"], d_v=i["Dv"])
+        return ref_bwd(i["q"], i["kv"], i.get("out"), i["dO"], i.get("lse"), i["sink"], i["idx"],
+                       i["sm_scale"])
 
     for v in REFS:
         if v not in variants:

@@ -85,9 +85,10 @@ DEFAULT_SHAPES: tuple[str, ...] = ("ref", "tp8", "tp4", "h128", "fleet", "b2")
 BAR_SHAPE = "ref"
 
 
-def select_shapes(spec: str | None) -> list[Shape]:
+def select_shapes(spec: str | None, option: str = "--shapes") -> list[Shape]:
     """Parse ``--shapes``: ``None``/``""``/``"default"`` -> defaults, ``"all"`` -> every shape,
-    else a comma-separated list of names from :data:`SHAPES` (order kept).
+    else a comma-separated list of names from :data:`SHAPES` (order kept).  ``option`` is the
+    command-line option the messages name.
 
     Raises:
         ValueError: on an unknown name (the message lists the known ones).
@@ -101,11 +102,11 @@ def select_shapes(spec: str | None) -> list[Shape]:
         if not name:
             continue
         if name not in SHAPES:
-            raise ValueError(f"--shapes: unknown shape {name!r}; known: {', '.join(SHAPES)}")
+            raise ValueError(f"{option}: unknown shape {name!r}; known: {', '.join(SHAPES)}")
         if SHAPES[name] not in out:
             out.append(SHAPES[name])
     if not out:
-        raise ValueError(f"--shapes: no shape named in {spec!r}; known: {', '.join(SHAPES)}")
+        raise ValueError(f"{option}: no shape named in {spec!r}; known: {', '.join(SHAPES)}")
     return out
 
 

@@ -1,10 +1,38 @@
 """Sparse MQA-latent attention (DeepSeek-V3.2 DSA, absorbed MLA) with an attention sink.
 
-Public names are loaded lazily so that importing this package pulls in neither Paddle, PyTorch
-nor TileLang until a function that needs them is used.  The math of every function here is in
-docs/conventions.md; the exact definition is ``attn/reference.py``.
+TileLang kernels (CUDA, Hopper sm_90a; Paddle or PyTorch tensors), module ``interface``:
+    mqa_latent_sparse_fwd       forward: (out, lse)
+    mqa_latent_sparse_bwd       backward: (dq, dkv, d_sink), deterministic by default
+
+fp32/fp64 reference, any device (``reference``); the exact definition of the math:
+    mqa_latent_sparse_fwd_ref   forward, the kernel's arguments (also ``sparse_mqa_fwd_ref``)
+    mqa_latent_sparse_bwd_ref   backward, the kernel's arguments
+    sparse_mqa_bwd_ref          deprecated: the backward in its old argument order
+    lse_natural_to_log2_sink    natural sink-exclusive LSE -> base-2 sink-inclusive
+    lse_log2_sink_to_natural    and back
+
+Paddle training (``op``, ``config``, ``layer``, ``tp``):
+    sparse_mqa_attention        autograd op (paddle.autograd.PyLayer), cu_seqlens: packed docs
+    MLAAttentionConfig          sizes of one attention block, validated when built
+    get_preset, load_config     presets (deepseek_v32, deepseek_v32_small) or a JSON file
+    MQALatentAttention          tensor-parallel attention layer (paddle.nn.Layer)
+    init_full_weights           the unsharded weights a layer built with a seed holds
+    copy_to_tensor_parallel     identity forward, all-reduce backward
+    reduce_from_tensor_parallel all-reduce forward, identity backward
+
+Inputs and tests (``checks``, ``indices``):
+    validate_inputs, Dims       the shared input checks and the named sizes they return
+    causal_topk_indices         random causal top-k indices for tests and demos
+    varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
+    cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
+
+Every name is loaded on first use, so importing this package pulls in neither Paddle, PyTorch
+nor TileLang; ``help(name)`` documents each one (shapes, dtypes, errors).  The math is
+docs/conventions.md; the layer and op are docs/layer.md.
 """
 
+import sys
+import types
 from importlib import import_module
 
 _EXPORTS = {
@@ -12,6 +40,8 @@ _EXPORTS = {
     "mqa_latent_sparse_fwd": "interface",
     "mqa_latent_sparse_bwd": "interface",
     # fp32/fp64 reference (any device)
+    "mqa_latent_sparse_fwd_ref": "reference",
+    "mqa_latent_sparse_bwd_ref": "reference",
     "sparse_mqa_fwd_ref": "reference",
     "sparse_mqa_bwd_ref": "reference",
     "lse_natural_to_log2_sink": "reference",
@@ -37,15 +67,19 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+class _LazyModule(types.ModuleType):
+    """This package's module type: a public name is imported from its sub-module on first
+    access.  Being methods of the module's class (not functions in its namespace), the hooks do
+    not show up in ``help()``; ``dir()`` lists what is loaded, ``__all__`` every public name."""
+
+    def __getattr__(self, name):
+        try:
+            module = _EXPORTS[name]
+        except KeyError:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}") from None
+        value = getattr(import_module(f".{module}", self.__name__), name)
+        setattr(self, name, value)
+        return value
 
 
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+sys.modules[__name__].__class__ = _LazyModule

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-__all__ = ["TensorOps", "ops_for", "is_tensor", "framework_of"]
+__all__ = ["TensorOps", "ops_for", "is_tensor", "framework_of", "type_name"]
 
 
 def framework_of(t: Any) -> str | None:
@@ -35,6 +35,19 @@ def framework_of(t: Any) -> str | None:
         if isinstance(t, torch.Tensor):
             return "torch"
     return None
+
+
+def type_name(obj: Any) -> str:
+    """The type of ``obj`` as an error message should name it: qualified by its module, so that
+    a ``torch.Tensor`` or ``numpy.ndarray`` is not reported as a bare "Tensor" or "ndarray"
+    (``"None"`` for None, bare names for builtins such as ``list``)."""
+    if obj is None:
+        return "None"
+    cls = type(obj)
+    module = cls.__module__ or ""
+    if module == "builtins":
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
 
 
 def is_tensor(t: Any) -> bool:
@@ -385,7 +398,7 @@ def ops_for(*tensors) -> TensorOps:
             continue
         fw = framework_of(t)
         if fw is None:
-            raise TypeError(f"expected a paddle.Tensor or torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"expected a paddle.Tensor or torch.Tensor, got {type_name(t)}")
         names.add(fw)
     if len(names) != 1:
         raise TypeError(

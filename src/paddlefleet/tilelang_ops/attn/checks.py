@@ -43,7 +43,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .adapter import framework_of, ops_for
+from .adapter import framework_of, ops_for, type_name
 
 __all__ = [
     "Dims",
@@ -151,7 +151,7 @@ def validate_inputs(
             continue
         if framework_of(t) is None:
             raise TypeError(
-                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type(t).__name__}"
+                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type_name(t)}"
             )
         present[name] = t
     frameworks = {name: framework_of(t) for name, t in present.items()}
@@ -365,7 +365,7 @@ def check_cu_seqlens(cu_seqlens: Any, seq_len: int | None = None, *,
     else:
         raise TypeError(
             f"{name}: expected an int32 paddle.Tensor, torch.Tensor or numpy.ndarray "
-            f"[num_docs + 1], got {type(cu_seqlens).__name__}"
+            f"[num_docs + 1], got {type_name(cu_seqlens)}"
         )
     if len(shape) != 1 or shape[0] < 2:
         raise ValueError(

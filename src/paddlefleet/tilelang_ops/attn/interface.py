@@ -281,9 +281,9 @@ def mqa_latent_sparse_fwd(
 
     Raises:
         TypeError: non-tensor inputs, mixed frameworks, wrong dtypes (``query``/``kv`` not
-            bf16, indices not int32/int64, ``attn_sink`` not fp32).
+            bf16, indices not int32/int64, ``attn_sink`` not fp32), ``block_h`` not an int.
         ValueError: wrong ndim/shapes, CPU tensors, unsupported ``(Dk, Dv)``, indices out of
-            range, bad ``block_h``, ``sm_scale <= 0``.
+            range, ``block_h`` other than 16/32, ``sm_scale <= 0``.
     """
     provider = provider or _DEFAULT_PROVIDER
     dims = validate_inputs(

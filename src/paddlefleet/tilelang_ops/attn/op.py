@@ -19,7 +19,7 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
-from .adapter import ops_for
+from .adapter import framework_of, ops_for, type_name
 from .checks import (
     check_cu_seqlens,
     check_indices_in_documents,
@@ -92,12 +92,12 @@ def _backward(backend, query, kv, out, grad_out, lse, attn_sink, token_indices, 
             deterministic=True, lse_format="natural", check_indices=False,
         )
     else:
-        from .reference import sparse_mqa_bwd_ref
+        from .reference import mqa_latent_sparse_bwd_ref
 
         # The reference recomputes P from (query, kv, token_indices); the saved indices are
         # what it gets, so the top-k selection is still never recomputed.
-        dq, dkv, d_sink = sparse_mqa_bwd_ref(
-            query, kv, grad_out, token_indices, sm_scale, attn_sink, d_v=d_v,
+        dq, dkv, d_sink = mqa_latent_sparse_bwd_ref(
+            query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
             dtype=_ref_dtype(query),
         )
     return ops.cast(dq, ops.dtype(query)), ops.cast(dkv, ops.dtype(kv)), d_sink
@@ -245,9 +245,11 @@ def sparse_mqa_attention(
     contribution from rows whose weight is all on the sink); see docs/conventions.md.
     """
     sm_scale = check_sm_scale(sm_scale)
+    if framework_of(query) != "paddle":
+        hint = (" (this is Paddle's autograd op; mqa_latent_sparse_fwd/_bwd take torch.Tensor)"
+                if framework_of(query) == "torch" else "")
+        raise TypeError(f"query: expected a paddle.Tensor, got {type_name(query)}{hint}")
     ops = ops_for(query)
-    if ops.name != "paddle":
-        raise TypeError(f"query: expected a paddle.Tensor, got {type(query).__name__}")
     device_kind = ops.device_kind(query)
     backend = resolve_backward_backend(backward_backend, device_kind)
     # Reading the index range back syncs the GPU stream; the CUDA wrapper does its own checks.

@@ -13,18 +13,24 @@ one FlashMLA's sparse prefill returns; the sink is the learned per-head softmax 
 zero value of Xiao et al. (arXiv:2309.17453) and gpt-oss.
 
 Public functions:
-    sparse_mqa_fwd_ref, sparse_mqa_bwd_ref, lse_natural_to_log2_sink, lse_log2_sink_to_natural
+    mqa_latent_sparse_fwd_ref, mqa_latent_sparse_bwd_ref (the arguments of the kernels'
+    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``), lse_natural_to_log2_sink,
+    lse_log2_sink_to_natural; ``sparse_mqa_fwd_ref`` is the forward's older name and
+    ``sparse_mqa_bwd_ref`` the deprecated backward with the old argument order.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
-from .adapter import framework_of, ops_for
+from .adapter import framework_of, ops_for, type_name
 from .checks import check_compute_dtype, check_sm_scale, validate_inputs
 
 __all__ = [
+    "mqa_latent_sparse_fwd_ref",
+    "mqa_latent_sparse_bwd_ref",
     "sparse_mqa_fwd_ref",
     "sparse_mqa_bwd_ref",
     "lse_natural_to_log2_sink",
@@ -168,17 +174,23 @@ def sparse_mqa_fwd_ref(
     return out, lse
 
 
-def sparse_mqa_bwd_ref(
+def mqa_latent_sparse_bwd_ref(
     query: Any,
     kv: Any,
+    out: Any,
     grad_out: Any,
+    lse: Any,
+    attn_sink: Any,
     token_indices: Any,
     sm_scale: float,
-    attn_sink: Any = None,
-    d_v: int = 512,
+    *,
     dtype: str = "float32",
 ):
-    """Reference backward (``docs/conventions.md``, "Backward"), written out explicitly.
+    """Reference backward (``docs/conventions.md``, "Backward"), written out explicitly.  The
+    eight tensor and scale arguments are those of the kernel's
+    :func:`~.interface.mqa_latent_sparse_bwd`, in the same order, so a kernel call's
+    ``(query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale)`` can be handed to the
+    reference unchanged.
 
     Recomputes the forward probabilities chunk by chunk, then per row and head:
     ``Delta = <out, grad_out>``, ``dP_l = <grad_out, v_l>``, ``dS_l = P_l (dP_l - Delta)``,
@@ -186,10 +198,17 @@ def sparse_mqa_bwd_ref(
     (the last ``Dk - Dv`` columns get no value term) and ``d_sink[h] = -sum P_sink Delta``.
 
     Args:
-        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype: as in
-            :func:`sparse_mqa_fwd_ref`.
+        query, kv: as in :func:`sparse_mqa_fwd_ref`.
+        out: ``[B, S, H, Dv]`` float, the forward output, or ``None``.
         grad_out: ``[B, S, H, Dv]`` float, gradient of the loss with respect to ``out``
-            (required: ``None`` raises ``TypeError``).
+            (required: ``None`` raises ``TypeError``); its last dim is ``Dv``.
+        lse: ``[B, S, H]`` float32/float64, the forward's LSE (any ``lse_format``), or ``None``.
+            ``out`` and ``lse`` are checked for type and shape only: the reference recomputes
+            both in ``dtype`` from ``query`` and ``kv``, so its gradient is the exact one and
+            does not inherit the rounding (or errors) of a given ``out``/``lse``.
+        attn_sink, token_indices, sm_scale: as in :func:`sparse_mqa_fwd_ref` (``attn_sink`` may
+            be ``None``).
+        dtype: compute and output dtype, ``"float32"`` or ``"float64"`` (keyword only).
 
     Returns:
         ``(dq [B, S, H, Dk], dkv [B, S_kv, Dk], d_sink [H])`` in ``dtype``; ``dkv`` sums over
@@ -197,8 +216,16 @@ def sparse_mqa_bwd_ref(
         is zeros when ``attn_sink`` is ``None``.  Rows with no valid key contribute 0.
 
     Raises:
-        TypeError, ValueError: as :func:`sparse_mqa_fwd_ref`, plus ``grad_out`` checks.
+        TypeError, ValueError: as :func:`sparse_mqa_fwd_ref`, plus ``grad_out``, ``out`` and
+        ``lse`` checks (type, framework, device, dtype, shape).
     """
+    d_v = _value_width(grad_out)
+    # out and lse: type, device, dtype and shape only (their values are not used).
+    validate_inputs(
+        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out, grad_out=grad_out,
+        lse=lse, float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX, check_values=False,
+        required=("grad_out",),
+    )
     dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
         query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=grad_out,
         backward=True,
@@ -233,11 +260,62 @@ def sparse_mqa_bwd_ref(
     return dq, dkv, d_sink
 
 
+
+def _value_width(grad_out: Any) -> int:
+    """``Dv`` from ``grad_out``'s last dim (validated afterwards); 512 when it is not a tensor,
+    so that ``validate_inputs`` reports the bad argument itself."""
+    try:
+        return int(grad_out.shape[-1])
+    except (AttributeError, IndexError, TypeError):
+        return 512
+
+
+def sparse_mqa_bwd_ref(
+    query: Any,
+    kv: Any,
+    grad_out: Any,
+    token_indices: Any,
+    sm_scale: float,
+    attn_sink: Any = None,
+    d_v: int = 512,
+    dtype: str = "float32",
+):
+    """Deprecated: the reference backward in its old argument order; use
+    :func:`mqa_latent_sparse_bwd_ref`, whose arguments are the kernel's
+    (``query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale``).
+
+    Same results as ``mqa_latent_sparse_bwd_ref(query, kv, None, grad_out, None, attn_sink,
+    token_indices, sm_scale, dtype=dtype)``; ``d_v`` must equal ``grad_out``'s last dim.
+
+    Raises:
+        TypeError, ValueError: as :func:`mqa_latent_sparse_bwd_ref`.
+    """
+    warnings.warn(
+        "sparse_mqa_bwd_ref(query, kv, grad_out, token_indices, sm_scale, attn_sink) is "
+        "deprecated; call mqa_latent_sparse_bwd_ref(query, kv, out, grad_out, lse, attn_sink, "
+        "token_indices, sm_scale), the argument order of mqa_latent_sparse_bwd (out and lse "
+        "may be None)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    # d_v as before: checked against grad_out (one validation, with the old messages).
+    validate_inputs(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, grad_out=grad_out,
+                    float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX, check_values=False,
+                    required=("grad_out",))
+    return mqa_latent_sparse_bwd_ref(query, kv, None, grad_out, None, attn_sink, token_indices,
+                                     sm_scale, dtype=dtype)
+
+
+#: The forward reference under the kernel's name (same function, same arguments as
+#: :func:`~.interface.mqa_latent_sparse_fwd`).
+mqa_latent_sparse_fwd_ref = sparse_mqa_fwd_ref
+
+
 def _check_bridge(lse: Any, attn_sink: Any, lse_name: str):
     for name, t in ((lse_name, lse), ("attn_sink", attn_sink)):
         if t is not None and framework_of(t) is None:
             raise TypeError(
-                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type(t).__name__}"
+                f"{name}: expected a paddle.Tensor or torch.Tensor, got {type_name(t)}"
             )
     if attn_sink is not None and framework_of(attn_sink) != framework_of(lse):
         raise TypeError(

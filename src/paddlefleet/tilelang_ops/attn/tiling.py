@@ -13,6 +13,7 @@ more than 64 heads need several groups.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 __all__ = [
@@ -66,11 +67,16 @@ def resolve_block_h(num_heads: int, block_h=None) -> int:
     """``block_h`` given, or the default: 32 when it divides ``num_heads``, else 16.
 
     Raises:
-        ValueError: ``block_h`` not 16, 32 or None.
+        TypeError: ``block_h`` neither None nor an int (``16.0``, ``"32"`` and ``True`` are
+            refused rather than read as a number).
+        ValueError: ``block_h`` an int other than 16 or 32.
     """
     if block_h is None:
         return 32 if num_heads % 32 == 0 else 16
-    if isinstance(block_h, bool) or block_h not in (16, 32):
+    if isinstance(block_h, bool) or not isinstance(block_h, numbers.Integral):
+        raise TypeError(f"block_h: expected 16, 32 or None, got {type(block_h).__name__} "
+                        f"{block_h!r}")
+    if block_h not in (16, 32):
         raise ValueError(
             f"block_h: expected 16, 32 or None, got {block_h!r}; the kernel's head tile must "
             f"equal the head group it is handed (heads are zero-padded to a multiple of block_h), "
@@ -91,7 +97,8 @@ def head_plan(num_heads: int, block_h=None) -> HeadPlan:
     H=40, 48 -> 64; H=64 -> 64; H=128 -> 2 groups of 64; H=100 -> H_pad 128, 2 groups.
 
     Raises:
-        ValueError: ``num_heads < 1`` or a bad ``block_h``.
+        ValueError: ``num_heads < 1`` or ``block_h`` an int other than 16 or 32.
+        TypeError: ``block_h`` neither None nor an int.
     """
     if isinstance(num_heads, bool) or int(num_heads) != num_heads or num_heads < 1:
         raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
