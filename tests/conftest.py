@@ -152,4 +152,6 @@ def run_until_signalled(script, args, marker: str, sig, timeout: float = 120):
             proc.kill()
     for r in readers:
         r.join(10)
+    proc.stdout.close()
+    proc.stderr.close()
     return proc.returncode, "".join(out), "".join(err), seconds, started

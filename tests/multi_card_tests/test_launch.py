@@ -176,6 +176,7 @@ def test_a_signal_to_the_caller_ends_every_rank(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
     out = output.text()
+    proc.stdout.close()
     assert proc.returncode == 3, out
     assert f"interrupted by {sig.name} logs " in out, out
     log_dir = out.split(" logs ", 1)[1].split()[0]

@@ -113,6 +113,7 @@ class StopSignals:
 
     @contextlib.contextmanager
     def deferred(self):
+        """A first signal inside the block is raised when the block ends; a second at once."""
         self._depth += 1
         try:
             yield
@@ -207,18 +208,24 @@ def launch_ranks(script: str, nproc: int, args=(), *, timeout: float, devices=No
             console_path = os.path.join(log_dir, "console.log")
             open(console_path, "w").close()
             env[CONSOLE_ENV] = console_path
-        # Own session, so that stopping it reaches nothing of the caller's.
-        proc = subprocess.Popen(cmd, env=env, stdout=out,
-                                stderr=subprocess.STDOUT if out is not None else None,
-                                text=True, start_new_session=True)
-        copier = _ConsoleCopier(console_path) if console_path else None
+        copier = None
+        if console_path:
+            copier = _ConsoleCopier(files.enter_context(
+                open(console_path, encoding="utf-8", errors="replace", newline="")))
+        proc = None
         with StopSignals():
             try:
+                # Own session, so that stopping it reaches nothing of the caller's.
+                proc = subprocess.Popen(cmd, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT if out is not None else None,
+                                        text=True, start_new_session=True)
                 output = _wait(proc, timeout, copier)
                 return LaunchResult(proc.returncode, False, output, log_dir)
             except subprocess.TimeoutExpired:
                 interrupted = None
             except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+                if proc is None:  # nothing started yet
+                    raise
                 interrupted = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         with _signals_ignored():
             output = _stop(proc, grace)
@@ -230,10 +237,11 @@ def launch_ranks(script: str, nproc: int, args=(), *, timeout: float, devices=No
 
 
 class _ConsoleCopier:
-    """Copies what has been appended to a text file since the last call to stdout."""
+    """Copies what has been appended to a text file (open for reading) since the last call to
+    stdout."""
 
-    def __init__(self, path: str):
-        self._file = open(path, encoding="utf-8", errors="replace", newline="")
+    def __init__(self, file):
+        self._file = file
 
     def copy(self) -> None:
         text = self._file.read()
