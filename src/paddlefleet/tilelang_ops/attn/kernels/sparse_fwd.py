@@ -85,6 +85,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             row_sum = T.alloc_fragment([M], acc_t)
             blk_sum = T.alloc_fragment([M], acc_t)
             alpha = T.alloc_fragment([M], acc_t)
+            m_shift = T.alloc_fragment([M], acc_t)
             lse_frag = T.alloc_fragment([M], acc_t)
             scale2 = T.alloc_local([1], acc_t)
 
@@ -119,14 +120,13 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
                 T.reduce_max(acc_s, row_max, dim=1, clear=False)
                 for h in T.Parallel(M):
                     row_max[h] = T.max(row_max[h], row_max_prev[h])
-                    # no valid key yet (m = -inf): nothing to rescale, and -inf - -inf is NaN
-                    alpha[h] = T.if_then_else(
-                        row_max[h] == -T.infinity(acc_t), 1.0,
-                        T.exp2((row_max_prev[h] - row_max[h]) * scale2[0]))
+                    # no valid key yet (m = -inf): shift by 0 instead, so that no -inf - -inf
+                    # (NaN) is formed; the scores and the previous max are -inf, exp2 gives 0
+                    m_shift[h] = T.if_then_else(row_max[h] == -T.infinity(acc_t), 0.0,
+                                                row_max[h])
+                    alpha[h] = T.exp2((row_max_prev[h] - m_shift[h]) * scale2[0])
                 for h, j in T.Parallel(M, BK):
-                    acc_s[h, j] = T.if_then_else(
-                        row_max[h] == -T.infinity(acc_t), 0.0,
-                        T.exp2((acc_s[h, j] - row_max[h]) * scale2[0]))
+                    acc_s[h, j] = T.exp2((acc_s[h, j] - m_shift[h]) * scale2[0])
                 T.reduce_sum(acc_s, blk_sum, dim=1)
                 for h in T.Parallel(M):
                     row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
