@@ -321,8 +321,8 @@ def test_packed_documents_against_reference(case):
 
 def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
     """Force the exact mode's re-run (first-pass grids 2^20 too fine, so every u is clamped and
-    the re-run grid comes from BoundExp; then 2^6 too fine, the usual case): the result must
-    stay bitwise repeatable and as accurate as without a re-run."""
+    the re-run grid comes from BoundExp; 2^6 too fine, the usual case; 2^10 too coarse, re-run on
+    a finer grid): the result must stay bitwise repeatable and as accurate as without."""
     case = dict(B=2, S=48, S_kv=300, H=100, L=200, sink=True)  # two head groups, L padded
     q, kv, do, sink, idx = _inputs(case, 21)
     prov = GuardedKernels()
@@ -330,7 +330,7 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
     ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     base = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                            provider=prov)
-    for margin in (-20, -6):
+    for margin in (-20, -6, 12):  # too fine (clamped), too fine, too coarse
         monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
         runs = [interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                 provider=prov) for _ in range(2)]

@@ -91,6 +91,7 @@ class TensorOps:
     def einsum(self, eq: str, *ts): ...
     def log2(self, t): ...
     def ceil(self, t): ...
+    def floor(self, t): ...
     def sqrt(self, t): ...
     def ldexp(self, x, e):
         """``x * 2**e`` (``e`` an integer tensor): exact for a power-of-two result."""
@@ -225,6 +226,9 @@ class _PaddleOps(TensorOps):
     def ceil(self, t):
         return self.p.ceil(t)
 
+    def floor(self, t):
+        return self.p.floor(t)
+
     def sqrt(self, t):
         return self.p.sqrt(t)
 
@@ -349,6 +353,9 @@ class _TorchOps(TensorOps):
 
     def ceil(self, t):
         return self.t.ceil(t)
+
+    def floor(self, t):
+        return self.t.floor(t)
 
     def sqrt(self, t):
         return self.t.sqrt(t)

@@ -46,6 +46,9 @@ EXACT_BITS = 24
 #: Head-room of the first pass's grid over its estimate of each key's sum (bits); a key whose
 #: contributions are larger than that is re-run on a grid fitted to its exact bound.
 GRID_MARGIN_BITS = 2
+#: A key whose first-pass grid is this many bits (or more) coarser than its proven fit is re-run
+#: on the finer grid too, so that a guess far too high never costs precision.
+RERUN_COARSE_BITS = 6
 # Clamp of the grid exponent: keeps 1 / g a normal fp32 number.
 _GRID_EXP_RANGE = (-100, 100)
 
@@ -159,18 +162,21 @@ def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale):
     ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns).  The sum over
     a key's rows ``E_j`` is taken in int64 fixed point (exact, so order-free), and
     ``g_j = 2**(ceil(log2 E_j) + GRID_MARGIN_BITS - EXACT_BITS)``.  Only speed depends on this
-    guess: the kernel proves the bound for every key and keys that exceed it are re-run.
+    guess: the kernel proves the bound for every key, and keys whose grid proves too fine (the
+    bound fails) or too coarse (``RERUN_COARSE_BITS``) are re-run on a grid fitted to it.
     """
     b, s, l = ops.shape(idx)
     d_k, d_v = ops.shape(q)[-1], ops.shape(grad_out)[-1]
     kv_f = ops.cast(kv, "float32") if ops.device_kind(kv) == "cpu" else kv
     kv_rms = ops.row_norm(ops.reshape(kv_f, (1, -1))) / math.sqrt(max(1, ops.shape(kv)[0]
                                                                       * ops.shape(kv)[1] * d_k))
-    qn = ops.row_norm(q)  # [B, S, H]
-    don = ops.row_norm(grad_out)
+    # fp64 from here: the squares of fp32 norms under/overflow at extreme scales
+    qn = ops.cast(ops.row_norm(q), "float64")  # [B, S, H]
+    don = ops.cast(ops.row_norm(grad_out), "float64")
+    kv_rms = ops.cast(kv_rms, "float64")
     w = don * don * ((qn * (kv_rms * sm_scale)) ** 2 / d_k + 1.0 / d_v)
-    n_valid = ops.sum(ops.cast(valid, "float32"), axis=-1)  # [B, S]
-    one = ops.full((1,), 1.0, "float32", n_valid)
+    n_valid = ops.sum(ops.cast(valid, "float64"), axis=-1)  # [B, S]
+    one = ops.full((1,), 1.0, "float64", n_valid)
     c_row = 4.0 * ops.sqrt(ops.sum(w, axis=-1)) / ops.where(n_valid > 0, n_valid, one)
     # fixed point with the largest row at 2^40: sums of <= 2^22 rows stay below 2^63
     top = ops.amax(c_row)
@@ -215,22 +221,31 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
-    bound_exp = ops.zeros((b, s_kv), "int32", q)
+    bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
     counts = ops.full((b, s), l, "int32", q)
     provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
                       inv_grid, counts, dq, acc, bound, bound_exp)
 
-    bound_f = ops.cast(bound, "float64")
-    over = bound_f > float(2**EXACT_BITS)
-    # a u clamped at 2^40 leaves the sum short: then (rows x groups) * 2^BoundExp_j bounds it
-    by_max = ops.ldexp(ops.full((1,), float(s * plan.num_groups), "float64", bound_f), bound_exp)
-    bound_f = ops.where(bound_f >= 2.0**40, by_max, bound_f)
-    safe = ops.where(over, bound_f, ops.full((1,), 2.0 ** (EXACT_BITS - 1), "float64", bound_f))
-    t = ops.ceil(ops.log2(safe) - float(EXACT_BITS - 1))
-    # make the exponent exact whatever log2 rounded to: 2^(23 + t) >= Bound, 2^(22 + t) < Bound
-    t = ops.where(safe > ops.ldexp(ops.full((1,), 2.0 ** (EXACT_BITS - 1), "float64", t),
-                                   ops.cast(t, "int32")), t + 1.0, t)
-    inv_grid = ops.ldexp(inv_grid, ops.cast(-t, "int32"))
+    # Sum_contributions u_j <= U_j: Bound_j (each term ceil(u) >= u), or, when a clamp at 2^40
+    # left Bound short, (rows x groups) * 2^BoundExp_j; the tighter of the two that holds.
+    n_max = float(s * plan.num_groups)
+    bound_f = ops.cast(bound, "float64") * (1.0 + 2.0**-50)  # an upper bound despite rounding
+    by_max = ops.ldexp(ops.full((1,), n_max, "float64", bound_f), bound_exp)
+    u_sum = ops.where(bound_f >= 2.0**40, by_max,
+                      ops.where(by_max < bound_f, by_max, bound_f))
+    # On g_j 2^-t every u scales by 2^t and ceil adds < 1 per contribution, so the new bound is
+    # <= 2^t U_j + n_max: the largest t with 2^t U_j <= 2^24 - n_max keeps every sum exact.
+    room = float(2**EXACT_BITS) - n_max
+    has = bound_f > 0  # a key with no nonzero contribution is exact as it is
+    u_safe = ops.where(has, u_sum, ops.full((1,), 1.0, "float64", u_sum))
+    t = ops.floor(ops.log2(room / u_safe))
+    fits = ops.ldexp(u_safe, ops.cast(t, "int32")) <= room  # whatever log2 rounded to
+    t = ops.where(fits, t, t - 1.0)
+    # re-run a key whose first pass broke the bound (t < 0), or whose grid was coarser than its
+    # fit by RERUN_COARSE_BITS or more (the guess was too high: precision would be lost)
+    over = has & ((bound_f > float(2**EXACT_BITS)) | (t >= float(RERUN_COARSE_BITS)))
+    t = ops.where(over, t, ops.zeros((1,), "float64", t))
+    inv_grid = ops.ldexp(inv_grid, ops.cast(t, "int32"))
     acc = ops.where(ops.reshape(over, (b, s_kv, 1)), ops.zeros((1,), "float32", acc), acc)
     # the re-run keys' slots first in each row (stable), -1 after them
     over_i = ops.cast(over, "int32")  # (Paddle gathers no bool)

@@ -95,9 +95,10 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
       are added with the same ``atomic_addx4``.  While every partial sum of a column stays within
       ``2^24`` in magnitude, every fp32 addition is exact, so the sum does not depend on the
       order: bitwise repeatable at the atomic path's speed.  To prove that bound the kernel also
-      adds ``u = max_d |k_d|`` (clamped to ``2^40``) of every (row, head group, slot)
-      contribution into ``Bound[b, j]`` with int64 atomics (exact), and keeps the largest
-      ``ceil(log2 u) + 1`` in ``BoundExp[b, j]`` (atomic max): ``Bound[b, j] <= 2^24``
+      adds ``ceil(u)``, ``u = max_d |c_d / g_j|`` (clamped to ``2^40``; ``ceil(u) >= max_d
+      |k_d|``) of every (row, head group, slot) contribution into ``Bound[b, j]`` with int64
+      atomics (exact), and keeps the largest ``ceil(log2 max(u, 2^-120)) + 1`` in
+      ``BoundExp[b, j]`` (atomic max; the caller starts it far below): ``Bound[b, j] <= 2^24``
       guarantees it.  The host re-runs the keys that exceed it on a coarser grid
       (``interface._exact_dkv``).
 
@@ -127,6 +128,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     # int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
     U_CLAMP = float(2**40)
     EXP_CLAMP = float(2**100)
+    U_FLOOR = float(2**-120)
     assert D % CW == 0 and CW >= D_tail
 
     B = T.dynamic("B")
@@ -229,56 +231,64 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                            transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
                     for j, d in T.Parallel(BK, CW):
                         if exact:
-                            # onto the key's grid (c / g_j is exact, one rounding)
-                            dkv_stage[j, d] = T.round(acc_dkv[j, d] * inv_grid[j])
+                            # in grid units (c / g_j: exact, a power of two); rounded below
+                            dkv_stage[j, d] = acc_dkv[j, d] * inv_grid[j]
                         else:
                             dkv_stage[j, d] = acc_dkv[j, d]
                     for j, d4 in T.Parallel(BK, CW // 4):
-                        idx = Indices[b_i, s_i, k_i * BK + j]
-                        if idx >= 0:
-                            T.atomic_addx4(dKV_acc[b_i, idx, c * CW + d4 * 4],
-                                           dkv_stage[j, d4 * 4])
                         if exact:
-                            # running max |k| of the 4 columns this thread adds
+                            # running max |c / g| of this thread's 4 columns, taken before the
+                            # rounding (so a grid too coarse still shows the size), then the
+                            # rounding, by the thread that adds them
                             u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
                                 T.max(T.abs(dkv_stage[j, d4 * 4]), T.abs(dkv_stage[j, d4 * 4 + 1])),
                                 T.max(T.abs(dkv_stage[j, d4 * 4 + 2]),
                                       T.abs(dkv_stage[j, d4 * 4 + 3]))))
+                            for t in T.serial(4):
+                                dkv_stage[j, d4 * 4 + t] = T.round(dkv_stage[j, d4 * 4 + t])
+                        idx = Indices[b_i, s_i, k_i * BK + j]
+                        if idx >= 0:
+                            T.atomic_addx4(dKV_acc[b_i, idx, c * CW + d4 * 4],
+                                           dkv_stage[j, d4 * 4])
 
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                 for j, d in T.Parallel(BK, D_tail):
                     if exact:
-                        dkv_tail_stage[j, d] = T.round(acc_dkv_tail[j, d] * inv_grid[j])
+                        dkv_tail_stage[j, d] = acc_dkv_tail[j, d] * inv_grid[j]
                     else:
                         dkv_tail_stage[j, d] = acc_dkv_tail[j, d]
                 # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
                 # one layout; the tail's 16 column groups use the first 16 of them
                 for j, d4 in T.Parallel(BK, CW // 4):
                     if d4 < D_tail // 4:
-                        idx = Indices[b_i, s_i, k_i * BK + j]
-                        if idx >= 0:
-                            T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
-                                           dkv_tail_stage[j, d4 * 4])
                         if exact:
                             u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
                                 T.max(T.abs(dkv_tail_stage[j, d4 * 4]),
                                       T.abs(dkv_tail_stage[j, d4 * 4 + 1])),
                                 T.max(T.abs(dkv_tail_stage[j, d4 * 4 + 2]),
                                       T.abs(dkv_tail_stage[j, d4 * 4 + 3]))))
+                            for t in T.serial(4):
+                                dkv_tail_stage[j, d4 * 4 + t] = T.round(
+                                    dkv_tail_stage[j, d4 * 4 + t])
+                        idx = Indices[b_i, s_i, k_i * BK + j]
+                        if idx >= 0:
+                            T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
+                                           dkv_tail_stage[j, d4 * 4])
                 if exact:
                     T.reduce_max(u_cols, u_frag, dim=1)
                     T.copy(u_frag, u_stage)
                     for j in T.Parallel(BK):
                         idx = Indices[b_i, s_i, k_i * BK + j]
                         if idx >= 0:
-                            # one int64 add per (row, head group, slot): an exact sum; and the
-                            # exponent of the largest u, which still bounds it when a clamped
-                            # u makes the sum too small
+                            # one int64 add per (row, head group, slot) of ceil(u) >= max |k|:
+                            # an exact sum; and the exponent of the largest u (>= 2^-120), which
+                            # bounds u when a clamp makes the sum short and sizes a grid that
+                            # was too coarse
                             T.atomic_add(Bound[b_i, idx],
-                                         T.Cast("int64", T.min(u_stage[j], U_CLAMP)))
+                                         T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
                             T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
-                                T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), 1.0)))) + 1)
+                                T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
 
                 if with_dq:
                     # dQ's GEMMs after the scatter: the fire-and-forget atomics drain while the
