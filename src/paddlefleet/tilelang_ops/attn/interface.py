@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from . import tiling
-from .adapter import ops_for
+from .adapter import ops_for, type_name
 from .checks import check_sm_scale, validate_inputs
 from .reference import lse_natural_to_log2_sink
 
@@ -97,7 +97,8 @@ _DEFAULT_PROVIDER = TileLangKernels()
 
 def _check_bool(value, name):
     if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        # type_name: numpy's bool prints as "numpy.bool", not a confusing bare "bool"
+        raise TypeError(f"{name}: expected a Python bool, got {type_name(value)}")
     return value
 
 
