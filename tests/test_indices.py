@@ -209,3 +209,13 @@ def test_varlen_bad_arguments(cu, kwargs, exc, pattern):
     topk = args.pop("topk")
     with pytest.raises(exc, match=pattern):
         varlen_causal_topk_indices(cu, topk, **args)
+
+
+def test_sizes_it_cannot_make_are_refused_before_allocating():
+    """A break-it session OOM-killed the process with seq_len_kv = 2^31 + 5: refuse instead."""
+    with pytest.raises(ValueError, match="seq_len_kv: expected at most 2147483647"):
+        causal_topk_indices(1, 1, 2**31 + 5, 1)
+    with pytest.raises(ValueError, match="seq_len_kv: batch x max"):
+        causal_topk_indices(1, 1, 2**31 + 5, 1, dtype="int64")
+    with pytest.raises(TypeError, match="lengths"):
+        cu_seqlens_from_lengths({1: 2})

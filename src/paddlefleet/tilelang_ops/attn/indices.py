@@ -22,6 +22,8 @@ __all__ = ["causal_topk_indices", "varlen_causal_topk_indices", "cu_seqlens_from
 
 # Rows drawn per step: bounds the [B, rows, max(S_kv, topk)] float32 random block (~64 MiB).
 _ROW_BUDGET_ELEMS = 16 << 20
+# One query row's draws at most (a few hundred MB of uniforms and ranks): 2^26 keys x batch.
+_MAX_ROW_ELEMS = 1 << 26
 
 
 def _positive_int(value, name: str) -> int:
@@ -81,6 +83,14 @@ def causal_topk_indices(
         raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
     if dtype not in ("int32", "int64"):
         raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+    if dtype == "int32" and S_kv > np.iinfo(np.int32).max:
+        raise ValueError(f"seq_len_kv: expected at most {np.iinfo(np.int32).max} key rows for "
+                         f"int32 indices, got {S_kv}")
+    if B * max(S_kv, L) > _MAX_ROW_ELEMS:
+        # one row needs a draw per key: refuse before allocating gigabytes
+        raise ValueError(f"seq_len_kv: batch x max(seq_len_kv, topk) = {B * max(S_kv, L)} "
+                         f"draws per query row is more than this helper makes "
+                         f"({_MAX_ROW_ELEMS}); it is for tests and demos")
 
     rng = np.random.default_rng(int(seed))
     width = max(S_kv, L)
@@ -122,7 +132,7 @@ def cu_seqlens_from_lengths(lengths) -> np.ndarray:
         ValueError: ``lengths`` is empty, an entry is negative, or the sum is 0 or past int32
             (the first bad entry is named).
     """
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+    if isinstance(lengths, (str, bytes, dict)) or not hasattr(lengths, "__len__"):
         raise TypeError(f"lengths: expected a sequence of ints, got {type(lengths).__name__}")
     if len(lengths) == 0:
         raise ValueError("lengths: expected at least one document length, got none")
