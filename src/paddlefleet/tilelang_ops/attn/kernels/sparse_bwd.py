@@ -137,6 +137,17 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     L = T.dynamic("L")
     H_pad = T.dynamic("H_pad")
 
+    @T.macro
+    def track_and_round(u_cols, stage, j, d4):
+        # running max |c / g| of this thread's 4 staged columns of slot j, taken before the
+        # rounding (so a grid too coarse still shows the size), then the rounding, by the thread
+        # that adds them
+        u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
+            T.max(T.abs(stage[j, d4 * 4]), T.abs(stage[j, d4 * 4 + 1])),
+            T.max(T.abs(stage[j, d4 * 4 + 2]), T.abs(stage[j, d4 * 4 + 3]))))
+        for t in T.serial(4):
+            stage[j, d4 * 4 + t] = T.round(stage[j, d4 * 4 + t])
+
     @T.prim_func
     def sparse_bwd_main(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -237,15 +248,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                             dkv_stage[j, d] = acc_dkv[j, d]
                     for j, d4 in T.Parallel(BK, CW // 4):
                         if exact:
-                            # running max |c / g| of this thread's 4 columns, taken before the
-                            # rounding (so a grid too coarse still shows the size), then the
-                            # rounding, by the thread that adds them
-                            u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
-                                T.max(T.abs(dkv_stage[j, d4 * 4]), T.abs(dkv_stage[j, d4 * 4 + 1])),
-                                T.max(T.abs(dkv_stage[j, d4 * 4 + 2]),
-                                      T.abs(dkv_stage[j, d4 * 4 + 3]))))
-                            for t in T.serial(4):
-                                dkv_stage[j, d4 * 4 + t] = T.round(dkv_stage[j, d4 * 4 + t])
+                            track_and_round(u_cols, dkv_stage, j, d4)
                         idx = Indices[b_i, s_i, k_i * BK + j]
                         if idx >= 0:
                             T.atomic_addx4(dKV_acc[b_i, idx, c * CW + d4 * 4],
@@ -263,14 +266,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 for j, d4 in T.Parallel(BK, CW // 4):
                     if d4 < D_tail // 4:
                         if exact:
-                            u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
-                                T.max(T.abs(dkv_tail_stage[j, d4 * 4]),
-                                      T.abs(dkv_tail_stage[j, d4 * 4 + 1])),
-                                T.max(T.abs(dkv_tail_stage[j, d4 * 4 + 2]),
-                                      T.abs(dkv_tail_stage[j, d4 * 4 + 3]))))
-                            for t in T.serial(4):
-                                dkv_tail_stage[j, d4 * 4 + t] = T.round(
-                                    dkv_tail_stage[j, d4 * 4 + t])
+                            track_and_round(u_cols, dkv_tail_stage, j, d4)
                         idx = Indices[b_i, s_i, k_i * BK + j]
                         if idx >= 0:
                             T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
