@@ -34,6 +34,7 @@ __all__ = [
     "TileLangKernels",
     "EXACT_BITS",
     "GRID_MARGIN_BITS",
+    "RERUN_COARSE_BITS",
 ]
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -154,8 +155,9 @@ def _d_sink(ops, attn_sink, lse2, delta):
     return -ops.sum(ops.reshape(p_sink * delta, (b * s, h)), axis=0)
 
 
-def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale):
-    """Exponents ``e_j [B, S_kv]`` of the first pass's per-key grids ``g_j = 2**e_j``.
+def _grid_estimate(ops, q, grad_out, kv, valid, flat_idx, sm_scale):
+    """Exponents ``e_j [B, S_kv]`` of the first pass's per-key grids ``g_j = 2**e_j``, for
+    ``valid [B, S, L]`` (slots with a key) and ``flat_idx [B, S*L]`` (their keys, 0 elsewhere).
 
     A deterministic guess of each key's sum of contributions if attention were uniform: a row
     ``s`` with ``L_s`` valid slots gives each key about ``c_s = 4 / L_s * sqrt(sum_h |dO_sh|^2
@@ -166,7 +168,7 @@ def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale):
     guess: the kernel proves the bound for every key, and keys whose grid proves too fine (the
     bound fails) or too coarse (``RERUN_COARSE_BITS``) are re-run on a grid fitted to it.
     """
-    b, s, l = ops.shape(idx)
+    b, s, l = ops.shape(valid)
     d_k, d_v = ops.shape(q)[-1], ops.shape(grad_out)[-1]
     kv_f = ops.cast(kv, "float32") if ops.device_kind(kv) == "cpu" else kv
     kv_rms = ops.row_norm(ops.reshape(kv_f, (1, -1))) / math.sqrt(max(1, ops.shape(kv)[0]
@@ -184,8 +186,6 @@ def _grid_estimate(ops, q, grad_out, kv, idx, valid, sm_scale):
     frac_bits = 40.0 - ops.ceil(ops.log2(ops.where(top > 0, top, one)))
     c_fx = ops.cast(ops.ceil(ops.ldexp(c_row, ops.cast(frac_bits, "int32"))), "int64")
     vals = ops.where(valid, ops.reshape(c_fx, (b, s, 1)), ops.zeros((1,), "int64", c_fx))
-    zero_idx = ops.zeros((1,), "int32", idx)
-    flat_idx = ops.reshape(ops.where(valid, idx, zero_idx), (b, s * l))
     est = ops.put_along_axis(ops.zeros((b, ops.shape(kv)[1]), "int64", c_fx), flat_idx,
                              ops.reshape(vals, (b, s * l)), axis=1, reduce="add")
     est_f = ops.cast(est, "float64")
@@ -200,14 +200,16 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
 
     Pass 1 (``main``, exact mode, with dq): every contribution ``c`` to key ``j`` becomes the
     integer ``k = round(c / g_j)`` and is added in fp32; the kernel also sums exactly, in int64,
-    ``Bound_j = sum over contributions of max_d |k|``.  ``Bound_j <= 2^24`` bounds every partial
-    sum of every column of key ``j`` by ``2^24`` grid units, so all those fp32 additions were
-    exact and the result does not depend on their order.  Keys with ``Bound_j > 2^24`` (the
-    first pass's grid guess was too fine for them) are cleared and re-run (``with_dq=False``, on
-    their slots only, moved to the front of each row) on ``g'_j = g_j 2^t`` with
-    ``t = ceil(log2(Bound_j / 2^23))``: then ``|k'| <= |k| / 2^t + 1``, so
-    ``Bound'_j <= 2^23 + n_j <= 2^24`` for ``n_j <= 2^23`` contributions (checked).  Everything
-    is on the device, no host sync; a re-run with no keys costs one near-empty launch.
+    ``Bound_j = sum over contributions of ceil(u)``, ``u = max_d |c_d / g_j|`` taken before the
+    rounding, and keeps ``BoundExp_j``, the largest ``ceil(log2 max(u, 2^-120)) + 1``.
+    ``Bound_j <= 2^24`` bounds every partial sum of every column of key ``j`` by ``2^24`` grid
+    units, so all those fp32 additions were exact and the result does not depend on their order.
+    With ``U_j >= sum u`` (``Bound_j``, or ``S G 2^BoundExp_j`` if a ``u`` was clamped at
+    ``2^40``), the grid ``g_j 2^-t`` keeps the bound for ``2^t U_j <= 2^24 - S G``; keys whose
+    first grid was too fine (``Bound_j > 2^24``) or ``RERUN_COARSE_BITS`` or more too coarse
+    are cleared and re-run (``with_dq=False``, on their slots only, moved to the front of each
+    row) on the grid of the largest such ``t``.  Everything stays on the device, no host sync;
+    a re-run with no keys costs one near-empty launch.  ``docs/conventions.md`` has the proof.
     """
     b, s, l = ops.shape(idx)
     s_kv, d_k = ops.shape(kv)[1], ops.shape(kv)[2]
@@ -217,7 +219,7 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
     valid = idx >= 0
     flat_idx = ops.reshape(ops.where(valid, idx, ops.zeros((1,), "int32", idx)), (b, s * l))
-    e = _grid_estimate(ops, query, grad_out, kv, idx, valid, sm_scale)  # real heads only
+    e = _grid_estimate(ops, query, grad_out, kv, valid, flat_idx, sm_scale)  # real heads only
     one = ops.full((1,), 1.0, "float32", q)
     inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
