@@ -99,8 +99,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
       |k_d|``) of every (row, head group, slot) contribution into ``Bound[b, j]`` with int64
       atomics (exact), and keeps the largest ``ceil(log2 max(u, 2^-120)) + 1`` in
       ``BoundExp[b, j]`` (atomic max; the caller starts it far below): ``Bound[b, j] <= 2^24``
-      guarantees it.  The host re-runs the keys that exceed it on a coarser grid
-      (``interface._exact_dkv``).
+      guarantees it.  The host re-runs the keys that exceed it on a coarser grid, and those
+      whose grid proves far too coarse on a finer one (``interface._exact_dkv``).
 
     ``with_dq=False`` (the exact mode's re-run) skips dQ's GEMMs and store and walks only the
     first ``Counts[b, s]`` slots of each row (the host moves the re-run keys' slots to the front;
@@ -186,7 +186,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
             acc_dkv = T.alloc_fragment([BK, CW], acc_t)
             acc_dkv_tail = T.alloc_fragment([BK, D_tail], acc_t)
-            # running max |k| per (slot, 4-column group), taken while scattering and reduced
+            # running max |c / g| per (slot, 4-column group), taken while scattering and reduced
             # once per block (a reduce straight from the GEMM's accumulator layout does not lower)
             u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
             u_frag = T.alloc_fragment([BK], acc_t)
