@@ -5,50 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import Framework
 from paddlefleet.tilelang_ops.attn.adapter import framework_of, is_tensor, ops_for, type_name
-
-
-class _Paddle:
-    def __init__(self):
-        import paddle
-
-        self.m = paddle
-
-    def t(self, a):
-        return self.m.to_tensor(np.ascontiguousarray(a))
-
-    def bf16(self, a):
-        return self.t(np.asarray(a, np.float32)).astype("bfloat16")
-
-    def f32(self, t):
-        return t.astype("float32").numpy()
-
-
-class _Torch:
-    def __init__(self):
-        import torch
-
-        self.m = torch
-
-    def t(self, a):
-        return self.m.from_numpy(np.ascontiguousarray(a))
-
-    def bf16(self, a):
-        return self.t(np.asarray(a, np.float32)).to(self.m.bfloat16)
-
-    def f32(self, t):
-        return t.float().numpy()
-
-
-@pytest.fixture(params=["paddle", "torch"])
-def fw(request):
-    pytest.importorskip(request.param)
-    return _Paddle() if request.param == "paddle" else _Torch()
 
 
 def test_framework_detection(fw):
     x = fw.t(np.zeros(2, np.float32))
-    name = "paddle" if isinstance(fw, _Paddle) else "torch"
+    name = fw.name
     assert framework_of(x) == name and is_tensor(x)
     assert framework_of(np.zeros(2)) is None and not is_tensor([1.0]) and not is_tensor(None)
     ops = ops_for(x, None, x)
@@ -76,7 +39,7 @@ def test_mixed_frameworks():
     pytest.importorskip("paddle")
     pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"one framework, got \['paddle', 'torch'\]"):
-        ops_for(_Paddle().t(np.zeros(1)), _Torch().t(np.zeros(1)))
+        ops_for(Framework("paddle").t(np.zeros(1)), Framework("torch").t(np.zeros(1)))
 
 
 def test_queries_and_dtype_names(fw, rng):
@@ -90,7 +53,7 @@ def test_queries_and_dtype_names(fw, rng):
     assert ops.shape(t) == (2, 3, 4) and all(type(s) is int for s in ops.shape(t))
     assert ops.device_kind(t) == "cpu"
     assert ops.is_contiguous(t)
-    tt = t.transpose([0, 2, 1]) if isinstance(fw, _Paddle) else t.transpose(1, 2)
+    tt = t.transpose([0, 2, 1]) if fw.name == "paddle" else t.transpose(1, 2)
     c = ops.contiguous(tt)
     assert ops.is_contiguous(c)
     np.testing.assert_array_equal(ops.to_numpy(c), a.transpose(0, 2, 1))

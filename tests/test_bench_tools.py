@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cuda_available
+from helpers import cuda_available
 
 BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
@@ -438,7 +438,7 @@ def test_gpu_code_path_end_to_end_through_the_interface_on_cpu(monkeypatch):
     torch = pytest.importorskip("torch")
     try:
         from paddlefleet.tilelang_ops.attn import interface
-        from test_interface import CpuStandIn
+        from helpers import CpuStandIn
     except Exception as e:  # noqa: BLE001 - interface or its stand-in not there (yet)
         pytest.skip(f"interface stand-in unavailable: {type(e).__name__}: {e}")
     monkeypatch.setattr(interface, "_DEFAULT_PROVIDER", CpuStandIn())

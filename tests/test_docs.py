@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 DOCS = sorted([REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md"),
                *(REPO_ROOT / "tools").rglob("*.md")])

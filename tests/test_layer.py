@@ -9,17 +9,12 @@ in output, input gradient and every parameter gradient.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
 
-from conftest import REPO_ROOT, rel_l2, run_until_signalled  # noqa: E402
+from helpers import rel_l2  # noqa: E402
 
 from paddlefleet.tilelang_ops.attn.config import get_preset
 from paddlefleet.tilelang_ops.attn.indices import (
@@ -34,13 +29,7 @@ from paddlefleet.tilelang_ops.attn.layer import (
     init_full_weights,
     shard_of,
 )
-from paddlefleet.tilelang_ops.attn.tp import (
-    copy_to_tensor_parallel,
-    default_tensor_parallel_group,
-    reduce_from_tensor_parallel,
-)
 
-CONFIG_DIR = REPO_ROOT / "configs"
 TOL = 5e-6  # fp32 layer vs float64 reference (measured ~6e-7)
 
 
@@ -217,36 +206,6 @@ def test_load_full_weights_keeps_the_parameter_dtype(rng, dtype):
         assert np.abs(got - full[name]).max() <= 2.0**-8 * np.abs(full[name]).max(), name
 
 
-def test_collectives_on_one_rank_and_their_pylayers(rng, monkeypatch):
-    """On one rank the wrappers return ``x`` itself.  The PyLayers behind them are run directly
-    with ``all_reduce`` replaced by a stand-in for three identical ranks (sum = 3 x), so each
-    direction shows: CopyToTensorParallel is the identity forward and sums the gradient,
-    ReduceFromTensorParallel sums forward and passes the gradient through."""
-    from paddlefleet.tilelang_ops.attn import tp
-
-    assert default_tensor_parallel_group() is None and tp.group_world_size() == 1
-    x = paddle.to_tensor(rng.standard_normal((3, 4)).astype(np.float32), stop_gradient=False)
-    assert copy_to_tensor_parallel(x) is x and reduce_from_tensor_parallel(x) is x
-
-    calls = []
-
-    def fake_all_reduce(t, op=None, group=None):
-        calls.append(group)
-        t.scale_(3.0)  # in place, as dist.all_reduce works
-
-    monkeypatch.setattr(tp.dist, "all_reduce", fake_all_reduce)
-    x_np = x.numpy().copy()
-    w = rng.standard_normal((3, 4)).astype(np.float32)
-    group = object()
-    y = tp.ReduceFromTensorParallel.apply(tp.CopyToTensorParallel.apply(x, group) * 2.0, group)
-    np.testing.assert_allclose(y.numpy(), 3.0 * 2.0 * x_np, rtol=1e-6)
-    np.testing.assert_array_equal(x.numpy(), x_np)  # out of place: the input is untouched
-    assert calls == [group]  # forward: only the reduce
-    (y * paddle.to_tensor(w)).sum().backward()
-    assert calls == [group, group]  # backward: only the copy
-    np.testing.assert_allclose(x.grad.numpy(), 3.0 * 2.0 * w, rtol=1e-6)
-
-
 def test_training_steps_reduce_a_loss(rng):
     # The layer trains: a few Adam steps on a fixed regression target lower the loss and every
     # parameter moves.
@@ -393,154 +352,3 @@ def test_packed_errors(rng):
     with pytest.raises(ValueError, match=r"^token_indices: row 5 \(document 1, rows \[5, 14\).*"
                                          r"key 4.*\(2 such row\(s\)\)"):
         layer(x, t(bad), cu_seqlens=t(cu))
-
-
-# --- tools/train_step.py (the main job), single process ------------------------------------
-TRAIN_STEP = REPO_ROOT / "tools" / "train_step.py"
-
-
-def _train_step(*args, timeout=120, progress=False):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src"))
-    return subprocess.run(
-        [sys.executable, str(TRAIN_STEP), *([] if progress else ["--no-progress"]), *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
-
-
-def test_train_step_runs_and_loss_falls():
-    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--seq-len", "128",
-                      "--topk", "24")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "inputs: B 1, S 128, top-k 24," in res.stdout, res.stdout
-    losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
-    assert "grad_norm" in res.stdout and "attn_sink" in res.stdout
-
-
-def test_train_step_packed_documents():
-    """--doc-lens: one row of packed documents (an empty one too), per-document indices, the
-    layer given cu_seqlens; the loss falls as without packing."""
-    res = _train_step("--config", "deepseek_v32_small", "--steps", "3", "--doc-lens",
-                      "7,90,0,1,30", "--seq-len", "128")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert ("inputs: B 1, S 128, top-k 64, sm_scale 0.144338, 5 packed documents "
-            "(lengths 7,90,0,1,30)") in res.stdout, res.stdout
-    losses = [float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
-
-
-def test_train_step_terminal_holds_only_its_own_lines():
-    """No "No ccache found" warning from `import paddle`, and no progress bar when the output
-    is not a terminal (tqdm's carriage-return frames used to interleave with the step lines in
-    a file), even without --no-progress."""
-    res = _train_step("--config", "deepseek_v32_small", "--steps", "2", "--seq-len", "32",
-                      progress=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stderr == ""
-    lines = res.stdout.splitlines()
-    assert len(lines) == 2 + 2 * 2 + 1, res.stdout  # config, inputs, 2 x (step, norms), done
-    assert "\r" not in res.stdout and "it/s" not in res.stdout
-
-
-def test_train_step_help_shows_defaults_and_examples():
-    res = _train_step("--help", timeout=60)
-    assert res.returncode == 0, res.stderr
-    out = " ".join(res.stdout.split())  # as one line: independent of the terminal width
-    for text in ("--steps STEPS training steps (default: 5)",
-                 "--batch BATCH sequences per step (default: 1)",
-                 "--lr LR AdamW learning rate (default: 0.001)",
-                 "--seed SEED seed of the weights, inputs and indices (default: 0)",
-                 "--seq-len SEQ_LEN tokens per sequence (default: 4096 on a GPU, 512 on CPU)",
-                 "(default: min(config index_topk, --seq-len))",
-                 "--timeout TIMEOUT seconds before", "default: 600)",
-                 "--config CONFIG preset name", "(default: deepseek_v32 on a GPU, "):
-        assert text in out, text
-    assert "Examples: # CPU, small preset" in out
-    assert "python tools/train_step.py --config deepseek_v32_small --nproc 4" in out
-
-
-@pytest.mark.parametrize("sig_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_train_step_stops_on_ctrl_c_and_sigterm_with_one_line(sig_name, code):
-    import signal
-
-    rc, out, err, seconds, _ = run_until_signalled(
-        TRAIN_STEP, ["--config", "deepseek_v32_small", "--steps", "100000", "--seq-len", "32",
-                     "--no-progress"], "step 1:", getattr(signal, sig_name))
-    assert rc == code, out + err
-    assert seconds < 20
-    assert re.fullmatch(rf"interrupted by {sig_name} at step \d+ of 100000\n", err), err
-
-
-def test_train_step_exits_nonzero_on_nan():
-    res = _train_step("--steps", "3", "--seq-len", "64", "--inject-nan", "1")
-    assert res.returncode == 1, res.stdout + res.stderr
-    assert "non-finite loss/gradient at step 1" in res.stderr
-
-
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (("--seq-len", "0"), "argument --seq-len: expected an int >= 1, got 0"),
-        (("--topk", "0"), "argument --topk: expected an int >= 1, got 0"),
-        (("--seq-len", "-5"), "argument --seq-len: expected an int >= 1, got -5"),
-        (("--topk", "-1"), "argument --topk: expected an int >= 1, got -1"),
-        (("--batch", "-2"), "argument --batch: expected an int >= 1, got -2"),
-        (("--lr", "nan"), "argument --lr: expected a finite number > 0, got nan"),
-        (("--lr", "inf"), "argument --lr: expected a finite number > 0, got inf"),
-        (("--lr", "0"), "argument --lr: expected a finite number > 0, got 0.0"),
-        (("--lr=-1e-3",), "argument --lr: expected a finite number > 0, got -0.001"),
-        (("--doc-lens", "100,-4"), "argument --doc-lens: expected comma-separated document "
-                                   "lengths >= 0 with a sum >= 1, e.g. 100,412, got [100, -4]"),
-        (("--doc-lens", "0,0"), "argument --doc-lens: expected comma-separated document "
-                                "lengths >= 0 with a sum >= 1, e.g. 100,412, got [0, 0]"),
-        (("--doc-lens", "100;412"), "argument --doc-lens: expected comma-separated document "
-                                    "lengths >= 0 with a sum >= 1, e.g. 100,412, got '100;412'"),
-        (("--doc-lens", "10,20", "--seq-len", "31"),
-         "--doc-lens sums to 30 tokens, --seq-len says 31"),
-        (("--doc-lens", "10,20", "--batch", "2"),
-         "--doc-lens packs the documents into one row: --batch must be 1, got 2"),
-        (("--doc-lens", "10,20", "--topk", "31"),
-         "argument --topk: expected at most the sequence length 30 (the --doc-lens sum), got 31"),
-        # more keys than tokens: most slots would be padding (16x slower, nothing learned)
-        (("--topk", "600"), "argument --topk: expected at most the sequence length 512 "
-                            "(--seq-len), got 600"),
-        (("--seq-len", "64", "--topk", "65"), "argument --topk: expected at most the sequence "
-                                              "length 64 (--seq-len), got 65"),
-        (("--inject-nan", "-1"), "argument --inject-nan: expected a step in [0, 5) (--steps 5), "
-                                 "got -1"),
-        (("--steps", "3", "--inject-nan", "99"), "argument --inject-nan: expected a step in "
-                                                 "[0, 3) (--steps 3), got 99"),
-    ],
-)
-def test_train_step_argument_errors(args, message):
-    """0 is an error, never silently "the default" (the script used `args.x or default`)."""
-    res = _train_step(*args, timeout=60)
-    assert res.returncode == 2 and message in res.stderr, res.stderr
-
-
-def test_train_step_nproc_must_divide_heads():
-    """Checked once, before any rank is launched (the small preset has 16 heads)."""
-    res = _train_step("--nproc", "3", "--device", "cpu", timeout=60)
-    assert res.returncode != 0
-    assert "num_attention_heads must be divisible by tensor_parallel_degree" in res.stderr
-    assert "launching" not in res.stdout, res.stdout
-
-
-def test_train_step_config_errors(tmp_path):
-    res = _train_step("--config", str(CONFIG_DIR / "deepseek_v32.json"), "--device", "cpu")
-    assert res.returncode != 0 and "tilelang" in res.stderr
-    # The config asks for tilelang: the hint names the cheap way and what the costly one costs.
-    res = _train_step("--config", "deepseek_v32", "--device", "cpu", timeout=60)
-    assert res.returncode == 1
-    assert "config 'deepseek_v32' asks for backward_backend='tilelang'" in res.stderr
-    assert "--config deepseek_v32_small" in res.stderr and "~5 GB" in res.stderr, res.stderr
-    # The flag asks for tilelang: the message says so, not "the config".
-    res = _train_step("--config", "deepseek_v32_small", "--backward-backend", "tilelang",
-                      "--device", "cpu", timeout=60)
-    assert res.returncode == 1
-    assert res.stderr.startswith("error: --backward-backend tilelang needs a CUDA GPU"), res.stderr
-    assert "config" not in res.stderr
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"hidden_size": 8}')
-    res = _train_step("--config", str(bad))
-    assert res.returncode != 0 and "missing required field" in res.stderr

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
-from conftest import rel_l2
+from helpers import CpuStandIn, rel_l2
 
 from paddlefleet.tilelang_ops.attn.indices import (
     cu_seqlens_from_lengths,
@@ -266,8 +266,6 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     """The op's CUDA path through the real host wrappers (``interface.py``: validation, head
     padding, LSE bridge, exact deterministic dKV), with the three kernels replaced by the CPU
     stand-ins of tests/test_interface.py.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels take."""
-    from test_interface import CpuStandIn
-
     from paddlefleet.tilelang_ops.attn import interface
 
     stand_in = CpuStandIn()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 _HELP_IN_A_FRESH_PROCESS = """
 import json, pydoc, sys

@@ -9,7 +9,7 @@ import sys
 
 import setuptools
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 
 def _setup_kwargs(monkeypatch) -> dict:

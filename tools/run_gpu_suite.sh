@@ -5,7 +5,8 @@
 #      (tools/gpu_env.sh, shared with tools/bench/run.sh)
 #   2. precompile every kernel specialisation in parallel (tools/precompile.py)
 #   3. pytest with PyTorch: tests/single_card_tests + the CPU tests of the host logic and of the
-#      kernels' compilation (tests/test_interface.py, tests/test_kernel_compile.py)
+#      kernels' compilation (tests/test_interface.py, tests/test_tiling.py,
+#      tests/test_kernel_compile.py)
 #   4. compute-sanitizer memcheck of one small case (H=8, -1 rows), when compute-sanitizer exists
 #   5. kernel timings at the reference shape (tools/kernel_timing.py)
 #   6. the benchmark (tools/bench/run.sh, when present; $BENCH_ARGS, default
@@ -43,7 +44,7 @@ python3 tools/precompile.py --jobs "$(nproc)" 2>&1 | grep -v "TileLang:" | tee -
 
 step pytest
 python3 -m pytest -q -s -p no:cacheprovider tests/single_card_tests tests/test_interface.py \
-  tests/test_kernel_compile.py 2>&1 | tee "$LOG/pytest.log" | grep -E "^\[|passed|failed|error" \
+  tests/test_tiling.py tests/test_kernel_compile.py 2>&1 | tee "$LOG/pytest.log" | grep -E "^\[|passed|failed|error" \
   | tee -a "$SUITE"
 RC=${PIPESTATUS[0]}
 

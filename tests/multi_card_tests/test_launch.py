@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
 
-from conftest import REPO_ROOT  # noqa: E402
+from helpers import REPO_ROOT  # noqa: E402
 from paddlefleet.tilelang_ops.launch import CONSOLE_ENV, launch_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multicard

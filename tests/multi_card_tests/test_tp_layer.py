@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
 
-from conftest import rel_l2
+from helpers import rel_l2
 
 from launcher import launch
 from tp_case import run_case

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
 
-from conftest import REPO_ROOT, run_until_signalled
+from helpers import REPO_ROOT, run_until_signalled
 
 pytestmark = pytest.mark.multicard
 

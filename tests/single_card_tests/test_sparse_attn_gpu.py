@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cuda_available, rel_l2
+from helpers import cuda_available, extreme_logits_case, rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -450,11 +450,9 @@ def test_bad_inputs_raise():
 
 
 def test_forward_at_extreme_logits():
-    """Issue 9's input (tests/test_softmax_range.py): every logit of a row equal, about +-5.6e7
+    """Issue 9's input (``helpers.extreme_logits_case``): every logit of a row equal, about +-5.6e7
     after scaling.  The forward's running max starts at -inf, not at a finite floor, so head 1
     (all logits far below zero) gets out = kv's value row and a finite lse, like head 0."""
-    from test_softmax_range import extreme_logits_case
-
     q, kv, idx, sm, out_x, lse_x = extreme_logits_case()
     q_t = torch.from_numpy(q).cuda().to(torch.bfloat16)
     kv_t = torch.from_numpy(kv).cuda().to(torch.bfloat16)

@@ -1,0 +1,371 @@
+"""Shared test helpers and fixtures: the one place test files import them from.
+
+``tests/conftest.py`` registers this module as a pytest plugin, so its fixtures and hooks apply
+to every test; test files import the plain helpers (``pytest.ini`` puts ``tests/`` on
+``sys.path``)::
+
+    from helpers import REPO_ROOT, rel_l2, requires_cuda
+
+Helpers:
+
+* ``REPO_ROOT``: the checkout's root (a ``pathlib.Path``).
+* ``FRAMEWORKS``: ``"paddle"`` and/or ``"torch"``, those installed here.
+* ``rel_l2(x, ref)``: relative L2 error ``||x - ref|| / ||ref||`` of two tensors or arrays
+  (Paddle, PyTorch or numpy; compared in float64 on the host).  The guide's error measure.
+* ``cuda_available()``, ``requires_cuda``: a ``skipif`` marker for tests that need a CUDA
+  device through PyTorch (the GPU host); it never fails when torch is not installed (the Paddle
+  CPU CI).  Tests marked ``@pytest.mark.gpu`` are skipped the same way, with the same reason.
+* ``to_tensor(fw, array, dtype)`` / ``to_numpy(tensor)``: numpy to a ``fw`` tensor of a
+  canonical dtype (``"bfloat16"`` included) and back (bf16 widened to fp32 first).
+* ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose three launchers implement
+  each kernel's math in numpy, on CPU tensors.
+* ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
+* ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
+  and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
+
+Fixtures:
+
+* ``rng``: a ``numpy.random.Generator`` seeded from the test's node id and ``$PFTO_TEST_SEED``
+  (default 0), so each test gets its own fresh random inputs, reproducible run to run; set
+  ``PFTO_TEST_SEED`` to draw different ones.  The seed is printed on failure.
+* ``fw``: each installed framework in turn (a :class:`Framework`: ``fw.name``, ``fw.t(array)``,
+  ``fw.np(tensor)``, ``fw.bf16(array)``, ``fw.f32(tensor)``); ``paddle_fw``: Paddle only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paddlefleet.tilelang_ops.attn.adapter import ops_for
+from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_fwd_ref
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FRAMEWORKS = [fw for fw in ("paddle", "torch") if importlib.util.find_spec(fw) is not None]
+
+
+# --- comparing results ------------------------------------------------------------------------
+def _to_float64(x) -> np.ndarray:
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np.asarray(x, dtype=np.float64)
+    mod = type(x).__module__ or ""
+    if mod.startswith("torch"):
+        return x.detach().to("cpu").double().numpy()
+    if mod.startswith("paddle"):
+        # bf16 has no numpy dtype (.numpy() gives uint16), so widen inside Paddle first.
+        return x.detach().astype("float64").numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def rel_l2(x, ref) -> float:
+    """``||x - ref||_2 / ||ref||_2`` in float64; ``inf`` if any non-finite entries differ.
+
+    ``-inf``/``inf`` entries must sit at the same places with the same sign (they are then
+    excluded); NaN anywhere gives ``inf`` so that a NaN result can never pass a tolerance.
+    """
+    a, b = _to_float64(x), _to_float64(ref)
+    if a.shape != b.shape:
+        raise ValueError(f"rel_l2: shapes differ, got {a.shape} and reference {b.shape}")
+    if np.isnan(a).any() or np.isnan(b).any():
+        return float("inf")
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if (fa != fb).any() or (a[~fa] != b[~fb]).any():
+        return float("inf")
+    num = np.linalg.norm(a[fa] - b[fa])
+    den = np.linalg.norm(b[fb])
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return float(num / den)
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def cuda_available() -> bool:
+    """True when PyTorch is installed and sees a CUDA device (never raises)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch install means no usable CUDA, not a test error
+        return False
+
+
+_NO_CUDA = "needs a CUDA device through PyTorch (torch missing or no GPU visible)"
+
+requires_cuda = pytest.mark.skipif(not cuda_available(), reason=_NO_CUDA)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason=_NO_CUDA)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and not cuda_available():
+            item.add_marker(skip)
+
+
+# --- random inputs ----------------------------------------------------------------------------
+def _base_seed() -> int:
+    return int(os.environ.get("PFTO_TEST_SEED", "0"))
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """Fresh random generator per test, seeded from the node id and ``$PFTO_TEST_SEED``."""
+    seed = zlib.crc32(request.node.nodeid.encode()) ^ _base_seed()
+    request.node.user_properties.append(("rng_seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "rng_seed":
+                report.sections.append(("rng", f"rng seed {value} (PFTO_TEST_SEED={_base_seed()})"))
+
+
+# --- tensors of either framework ---------------------------------------------------------------
+class Framework:
+    """numpy <-> tensors of one framework (``name``: ``"paddle"`` or ``"torch"``), on
+    ``device`` (torch only; Paddle tensors stay on its default place)."""
+
+    def __init__(self, name: str, device: str = "cpu"):
+        self.name = name
+        self.device = device
+        self.m = importlib.import_module(name)
+
+    def t(self, a):
+        """The array as a tensor of the same dtype."""
+        a = np.ascontiguousarray(a)
+        if self.name == "paddle":
+            return self.m.to_tensor(a)
+        return self.m.from_numpy(a).to(self.device)
+
+    def np(self, t):
+        if self.name == "paddle":
+            return t.numpy()
+        return t.detach().cpu().numpy()
+
+    def bf16(self, a):
+        return to_tensor(self.name, np.asarray(a, np.float32), "bfloat16")
+
+    def f32(self, t):
+        return self.np(t.astype("float32") if self.name == "paddle" else t.float())
+
+
+@pytest.fixture(params=["paddle", "torch"])
+def fw(request) -> Framework:
+    pytest.importorskip(request.param)
+    return Framework(request.param)
+
+
+@pytest.fixture
+def paddle_fw() -> Framework:
+    pytest.importorskip("paddle")
+    return Framework("paddle")
+
+
+def to_tensor(fw: str, arr, dtype: str):
+    """``arr`` (numpy) as a CPU tensor of framework ``fw`` with canonical dtype ``dtype``."""
+    arr = np.ascontiguousarray(arr)
+    if fw == "paddle":
+        import paddle
+
+        t = paddle.to_tensor(arr)
+        return t.astype(dtype) if dtype != str(arr.dtype) else t
+    import torch
+
+    return torch.from_numpy(arr).to(getattr(torch, dtype))
+
+
+def to_numpy(t) -> np.ndarray:
+    """A tensor of either framework as numpy; bf16/fp16 widened to fp32 (numpy has no bf16)."""
+    ops = ops_for(t)
+    if ops.dtype(t) in ("bfloat16", "float16"):
+        t = ops.cast(t, "float32")
+    return np.asarray(ops.to_numpy(t))
+
+
+def _write(dst, arr):
+    ops = ops_for(dst)
+    dst[...] = ops.cast(ops.from_numpy(np.ascontiguousarray(arr), dst), ops.dtype(dst))
+
+
+# --- the kernels' math on CPU -------------------------------------------------------------------
+LOG2E = 1.0 / math.log(2.0)
+
+
+class CpuStandIn:
+    """CPU stand-ins of the three kernels (fwd, preprocess, main): their math, in numpy.
+
+    A provider for ``attn/interface.py`` (``device = "cpu"``).  Each launcher checks that it is
+    handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and processes
+    one tile at a time, as the kernels' CTAs do; the forward reuses the reference.  ``main`` in
+    exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into ``bound``
+    as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the largest
+    bound a re-run key reached in that call alone.  ``calls`` lists every launch.
+    """
+
+    device = "cpu"
+
+    def __init__(self):
+        self.calls = []
+        self.rerun_bounds = []
+
+    @staticmethod
+    def _groups(m, h_pad):
+        if m not in (16, 32, 64) or h_pad % m:
+            raise AssertionError(f"kernel tile {m} handed {h_pad} heads")
+        return [slice(g * m, (g + 1) * m) for g in range(h_pad // m)]
+
+    def fwd(self, m, q, kv, idx, sink, scale, out, lse):
+        h_pad = ops_for(q).shape(q)[2]
+        self.calls.append(("fwd", m, h_pad, ops_for(idx).shape(idx)[-1]))
+        sm = float(to_numpy(scale)[0])
+        o_all, l_all = np.zeros(to_numpy(out).shape), np.zeros(to_numpy(lse).shape)
+        for sl in self._groups(m, h_pad):
+            ops = ops_for(q)
+            qg = ops.contiguous(q[:, :, sl])
+            sg = ops.contiguous(sink[sl])
+            o, l = mqa_latent_sparse_fwd_ref(qg, kv, idx, sm, sg, d_v=ops.shape(out)[-1])
+            o_all[:, :, sl], l_all[:, :, sl] = to_numpy(o), to_numpy(l)
+        _write(out, o_all)
+        _write(lse, l_all)
+
+    def bwd_preprocess(self, out2d, do2d, delta):
+        self.calls.append(("pre",))
+        _write(delta, (to_numpy(out2d).astype(np.float64) * to_numpy(do2d)).sum(-1))
+
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
+                 dq, acc, bound, bound_exp):
+        Q, KV = to_numpy(q).astype(np.float64), to_numpy(kv).astype(np.float64)
+        DO, I = to_numpy(do), to_numpy(idx)
+        LSE2, DEL, ACC = to_numpy(lse2), to_numpy(delta), to_numpy(acc)
+        sm = float(to_numpy(scale)[0])
+        B, S, h_pad, _ = Q.shape
+        dv = DO.shape[-1]
+        self.calls.append(("main", m, h_pad, I.shape[-1], mode, with_dq))
+        assert mode in ("atomic", "exact") and (with_dq or mode == "exact")
+        valid = I >= 0
+        if not with_dq:  # only the first counts[b, s] slots of each row
+            valid &= np.arange(I.shape[-1]) < to_numpy(counts)[:, :, None]
+        if mode == "exact":
+            INV = to_numpy(inv_grid).astype(np.float64)
+            BOUND, BEXP = to_numpy(bound), to_numpy(bound_exp)
+            before = BOUND.copy()
+        safe = np.where(valid, I, 0)
+        K = np.stack([KV[b][safe[b]] for b in range(B)])  # [B, S, L, Dk]
+        dQ = np.zeros_like(Q)
+        for sl in self._groups(m, h_pad):
+            s = np.einsum("bshd,bsld->bshl", Q[:, :, sl], K)
+            s = np.where(valid[:, :, None, :], s, -np.inf)
+            P = np.exp2(s * sm * LOG2E - LSE2[:, :, sl, None])
+            dP = np.einsum("bshd,bsld->bshl", DO[:, :, sl], K[..., :dv])
+            dS = P * (dP - DEL[:, :, sl, None]) * sm
+            dQ[:, :, sl] = np.einsum("bshl,bsld->bshd", dS, K)
+            contrib = np.einsum("bshl,bshd->bsld", dS, Q[:, :, sl])
+            contrib[..., :dv] += np.einsum("bshl,bshd->bsld", P, DO[:, :, sl])
+            for b in range(B):
+                rows, c = I[b][valid[b]], contrib[b][valid[b]]
+                if mode == "exact":
+                    x = (c * INV[b][rows][:, None]).astype(np.float32)  # grid units
+                    np.add.at(ACC[b], rows, np.rint(x))
+                    u = np.abs(x).max(-1).astype(np.float64)  # before the rounding
+                    np.add.at(BOUND[b], rows, np.ceil(np.minimum(u, 2.0**40)).astype(np.int64))
+                    e = np.ceil(np.log2(np.maximum(np.minimum(u, 2.0**100), 2.0**-120))) + 1
+                    np.maximum.at(BEXP[b], rows, e.astype(np.int32))
+                else:
+                    np.add.at(ACC[b], rows, c.astype(np.float32))
+        if with_dq:
+            _write(dq, dQ)
+        _write(acc, ACC)
+        if mode == "exact":
+            _write(bound, BOUND)
+            _write(bound_exp, BEXP)
+            if not with_dq:
+                rerun = np.zeros(BOUND.shape, bool)
+                for b in range(B):
+                    rerun[b, I[b][valid[b]]] = True
+                self.rerun_bounds.append(int((BOUND - before)[rerun].max(initial=0)))
+
+
+# --- shared inputs ------------------------------------------------------------------------------
+def extreme_logits_case():
+    """Issue 9's input as numpy ``(q, kv, idx, sm_scale, out_exact, lse_exact)``.
+
+    Dk=576, Dv=512, H=2, S=4, S_kv=8, every row selects all 8 keys; ``q[..., 0]`` is -32768 for
+    head 0 and +32768 for head 1 (other channels 0), ``kv[..., 0] = -40960`` and
+    ``kv[..., 1:Dv] = 1``, ``sm_scale = 576**-0.5``.  Every logit of a row is the same, about
+    ``+5.6e7`` (head 0) or ``-5.6e7`` (head 1) after scaling (raw ``q.k`` = +-1.34e9), so the
+    exact ``out`` is ``kv[..., :Dv]`` of any key: -40960 in channel 0, 1 elsewhere, and ``lse``
+    is ``log(8) + logit``.  A running max that starts at a finite floor gets head 1 wrong;
+    computing probabilities as ``exp(s - lse)`` loses ``|lse| * eps`` in the exponent (out = 8
+    instead of 1 here in fp32).
+    """
+    dk, dv = 576, 512
+    B, S, S_kv, H = 1, 4, 8, 2
+    q = np.zeros((B, S, H, dk), np.float32)
+    q[:, :, 0, 0], q[:, :, 1, 0] = -32768.0, 32768.0
+    kv = np.zeros((B, S_kv, dk), np.float32)
+    kv[:, :, 0] = -40960.0
+    kv[:, :, 1:dv] = 1.0
+    idx = np.broadcast_to(np.arange(S_kv, dtype=np.int32), (B, S, S_kv)).copy()
+    sm = dk ** -0.5
+    out = np.broadcast_to(kv[:, :1, :dv][:, :, None], (B, S, H, dv)).astype(np.float64)
+    logit = np.array([-32768.0, 32768.0]) * -40960.0 * sm
+    lse = np.broadcast_to(math.log(S_kv) + logit, (B, S, H)).astype(np.float64)
+    return q, kv, idx, sm, out, lse
+
+
+# --- processes ----------------------------------------------------------------------------------
+def run_until_signalled(script, args, marker: str, sig, timeout: float = 120):
+    """Start ``python script args`` in a process group of its own and send ``sig`` to the whole
+    group (as a terminal's Ctrl-C does) once ``marker`` is on its stdout.
+
+    Returns ``(returncode, stdout, stderr, seconds from the signal to the exit, the processes it
+    had started)`` (``psutil.Process`` objects, to check that none outlives it).
+    """
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src"))
+    proc = subprocess.Popen([sys.executable, str(script), *args], text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    out, err = [], []
+    readers = [threading.Thread(target=lambda f=f, acc=acc: acc.extend(f), daemon=True)
+               for f, acc in ((proc.stdout, out), (proc.stderr, err))]
+    for r in readers:
+        r.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(marker in ln for ln in out) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(out + err)
+            time.sleep(0.2)
+        assert any(marker in ln for ln in out), "".join(out + err)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for r in readers:
+        r.join(10)
+    proc.stdout.close()
+    proc.stderr.close()
+    return proc.returncode, "".join(out), "".join(err), seconds, started
