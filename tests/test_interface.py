@@ -20,11 +20,8 @@ from helpers import FRAMEWORKS, REPO_ROOT, CpuStandIn, rel_l2, to_numpy, to_tens
 from paddlefleet.tilelang_ops.attn import interface, tiling
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
-from paddlefleet.tilelang_ops.attn.reference import (
-    lse_natural_to_log2_sink,
-    mqa_latent_sparse_bwd_ref,
-    sparse_mqa_fwd_ref,
-)
+from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
+from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref, sparse_mqa_fwd_ref
 
 DK, DV = 576, 512
 SM = DK ** -0.5

@@ -8,6 +8,8 @@ fp32/fp64 reference, any device (``reference``); the exact definition of the mat
     mqa_latent_sparse_fwd_ref   forward, the kernel's arguments (also ``sparse_mqa_fwd_ref``)
     mqa_latent_sparse_bwd_ref   backward, the kernel's arguments
     sparse_mqa_bwd_ref          deprecated: the backward in its old argument order
+
+The two LSE forms, any device (``lse``):
     lse_natural_to_log2_sink    natural sink-exclusive LSE -> base-2 sink-inclusive
     lse_log2_sink_to_natural    and back
 
@@ -44,8 +46,9 @@ _EXPORTS = {
     "mqa_latent_sparse_bwd_ref": "reference",
     "sparse_mqa_fwd_ref": "reference",
     "sparse_mqa_bwd_ref": "reference",
-    "lse_natural_to_log2_sink": "reference",
-    "lse_log2_sink_to_natural": "reference",
+    # the two LSE forms (any device)
+    "lse_natural_to_log2_sink": "lse",
+    "lse_log2_sink_to_natural": "lse",
     # input validation shared by every public entry point
     "validate_inputs": "checks",
     "Dims": "checks",

@@ -26,7 +26,7 @@ from typing import Any
 from . import tiling
 from .adapter import ops_for, type_name
 from .checks import check_sm_scale, validate_inputs
-from .reference import lse_natural_to_log2_sink
+from .lse import lse_natural_to_log2_sink
 
 __all__ = [
     "mqa_latent_sparse_fwd",
