@@ -15,6 +15,7 @@ Helpers:
 * ``cuda_available()``, ``requires_cuda``: a ``skipif`` marker for tests that need a CUDA
   device through PyTorch (the GPU host); it never fails when torch is not installed (the Paddle
   CPU CI).  Tests marked ``@pytest.mark.gpu`` are skipped the same way, with the same reason.
+* ``record_calls(monkeypatch, calls, module, *names)``: log the calls of a module's functions.
 * ``to_tensor(fw, array, dtype)`` / ``to_numpy(tensor)``: numpy to a ``fw`` tensor of a
   canonical dtype (``"bfloat16"`` included) and back (bf16 widened to fp32 first).
 * ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose three launchers implement
@@ -87,6 +88,19 @@ def rel_l2(x, ref) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return float(num / den)
+
+
+def record_calls(monkeypatch, calls: list, module, *names) -> None:
+    """Wrap the functions ``names`` of ``module`` so that each call appends its name to
+    ``calls`` (the function still runs)."""
+    for name in names:
+        real = getattr(module, name)
+
+        def wrapper(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
 
 
 # --- CUDA -------------------------------------------------------------------------------------

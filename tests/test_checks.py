@@ -1,4 +1,5 @@
-"""attn/checks.py: every rule, its error type, its message, and the order of the checks."""
+"""attn/checks.py: every rule, its error type, its message, and the order of the checks
+(tensor checks, then value checks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from paddlefleet.tilelang_ops.attn.checks import (
     check_cu_seqlens,
     check_indices_in_documents,
     check_sm_scale,
+    check_tensors,
+    check_values,
     validate_inputs,
 )
 
@@ -30,28 +33,34 @@ def test_torch_tensors(rng):
     kv = torch.randn(B, S_KV, DK, dtype=torch.bfloat16)
     idx = torch.from_numpy(rng.integers(-1, S_KV, (B, S, L)))
     sink = torch.randn(H)
-    dims = validate_inputs(q, kv, idx, attn_sink=sink, d_v=DV, float_dtypes=("bfloat16",))
+
+    def both(q, kv, idx, **kw):
+        dims = check_tensors(q, kv, idx, **kw)
+        check_values(dims, idx, attn_sink=kw.get("attn_sink"), lse=kw.get("lse"))
+        return dims
+
+    dims = both(q, kv, idx, attn_sink=sink, d_v=DV, float_dtypes=("bfloat16",))
     assert dims == Dims(B=B, S=S, H=H, Dk=DK, Dv=DV, S_kv=S_KV, L=L)
     with pytest.raises(ValueError, match="^query: expected a tensor on cuda, got one on cpu"):
-        validate_inputs(q, kv, idx, d_v=DV, device="cuda")
+        check_tensors(q, kv, idx, d_v=DV, device="cuda")
     with pytest.raises(TypeError, match=r"^query: expected dtype in \['bfloat16'\], got float32"):
-        validate_inputs(q.float(), kv.float(), idx, d_v=DV, float_dtypes=("bfloat16",))
+        check_tensors(q.float(), kv.float(), idx, d_v=DV, float_dtypes=("bfloat16",))
     with pytest.raises(TypeError, match="^attn_sink: expected dtype"):
-        validate_inputs(q, kv, idx, attn_sink=sink.double(), d_v=DV)
+        check_tensors(q, kv, idx, attn_sink=sink.double(), d_v=DV)
     idx[0, 0, 0] = S_KV
     with pytest.raises(ValueError, match="^token_indices: expected values"):
-        validate_inputs(q, kv, idx, d_v=DV)
+        both(q, kv, idx, d_v=DV)
     idx[0, 0, 0] = -1
     bad_sink = sink.clone()
     bad_sink[2] = float("nan")
     with pytest.raises(ValueError, match=r"^attn_sink: .*got \[nan\] at heads \[2\]"):
-        validate_inputs(q, kv, idx, attn_sink=bad_sink, d_v=DV)
+        both(q, kv, idx, attn_sink=bad_sink, d_v=DV)
     lse = torch.randn(B, S, H)
     lse[1, 0, 3] = float("nan")
     with pytest.raises(ValueError, match="^lse: expected no NaN.*got 1 NaN"):
-        validate_inputs(q, kv, idx, lse=lse, d_v=DV)
+        both(q, kv, idx, lse=lse, d_v=DV)
     lse[1, 0, 3] = float("inf")
-    assert validate_inputs(q, kv, idx, lse=lse, d_v=DV).H == H
+    assert both(q, kv, idx, lse=lse, d_v=DV).H == H
 
 
 # Everything below runs on Paddle (the CI framework) through the `good` fixture.
@@ -77,12 +86,17 @@ def good(rng):
     )
 
 
-def call(args, **kw):
+def call(args, values=True, **kw):
+    """check_tensors on ``args`` (``d_v`` defaults to DV), then check_values unless
+    ``values=False``."""
     a = dict(args)
     q, kv, idx = a.pop("query"), a.pop("kv"), a.pop("token_indices")
     a.update(kw)
     a.setdefault("d_v", DV)
-    return validate_inputs(q, kv, idx, **a)
+    dims = check_tensors(q, kv, idx, **a)
+    if values:
+        check_values(dims, idx, attn_sink=a.get("attn_sink"), lse=a.get("lse"))
+    return dims
 
 
 def test_valid_call_returns_dims(good):
@@ -186,7 +200,7 @@ def test_shapes(good, rng, name, shape, pattern):
     dtype = str(good[name].dtype).rsplit(".", 1)[-1]
     bad = dict(good, **{name: T(np.zeros(shape, dtype=dtype))})
     with pytest.raises(ValueError, match=pattern):
-        call(bad, check_values=False)
+        call(bad, values=False)
 
 
 def test_d_v(good):
@@ -200,6 +214,46 @@ def test_d_v(good):
         call({k: good[k] for k in ("query", "kv", "token_indices")}, d_v=0)
 
 
+def test_dv_from_out_else_grad_out(good):
+    """A backward call passes no d_v: Dv is out's last dim (what the forward produced), else
+    grad_out's; a grad_out that disagrees with out is the one named."""
+    assert call(good, d_v=None).Dv == DV
+    assert call(dict(good, out=None), d_v=None).Dv == DV
+    short = T(np.zeros((B, S, H, DV - 1), np.float32))
+    assert call(dict(good, out=None, grad_out=short), d_v=None).Dv == DV - 1
+    with pytest.raises(ValueError) as err:
+        call(dict(good, grad_out=short), d_v=None)
+    assert str(err.value) == ("grad_out: expected shape [B, S, H, Dv] = [2, 3, 4, 16] (Dv from "
+                              "out), got [2, 3, 4, 15]")
+    with pytest.raises(ValueError) as err:
+        call(dict(good, out=short), d_v=None)
+    assert str(err.value) == ("grad_out: expected shape [B, S, H, Dv] = [2, 3, 4, 15] (Dv from "
+                              "out), got [2, 3, 4, 16]")
+    with pytest.raises(ValueError, match=r"^out: expected \[B, S, H, Dv\] with B=2, S=3 and H=4 "
+                                         r"\(from query\), got shape \[2, 3, 5, 16\]"):
+        call(dict(good, out=T(np.zeros((B, S, H + 1, DV), np.float32))), d_v=None)
+    wide = T(np.zeros((B, S, H, DK + 1), np.float32))
+    with pytest.raises(ValueError, match=r"^out: expected a last dim Dv with 1 <= Dv <= Dk=24, "
+                                         r"got shape \[2, 3, 4, 25\]"):
+        call(dict(good, out=wide, grad_out=wide), d_v=None)
+    with pytest.raises(TypeError, match=r"^d_v: expected a Python int \(or out / grad_out"):
+        call(dict(good, out=None, grad_out=None), d_v=None)
+
+
+def test_validate_inputs_is_deprecated(good):
+    """The former one-call interface: check_tensors then check_values, with a warning."""
+    a = dict(good)
+    q, kv, idx = a.pop("query"), a.pop("kv"), a.pop("token_indices")
+    with pytest.warns(DeprecationWarning, match="check_tensors, then check_values"):
+        assert validate_inputs(q, kv, idx, d_v=DV, **a) == call(good)
+    bad = good["token_indices"].numpy().copy()
+    bad[0, 1, 2] = S_KV
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="^token_indices"):
+        validate_inputs(q, kv, T(bad), d_v=DV, **a)
+    with pytest.warns(DeprecationWarning):
+        assert validate_inputs(q, kv, T(bad), d_v=DV, check_values=False, **a).S_kv == S_KV
+
+
 @pytest.mark.parametrize("value,got", [(-2, r"\[-2, "), (S_KV, rf", {S_KV}\]")])
 def test_index_values(good, value, got):
     idx = good["token_indices"].numpy().copy()
@@ -207,7 +261,7 @@ def test_index_values(good, value, got):
     bad = dict(good, token_indices=T(idx))
     with pytest.raises(ValueError, match=rf"^token_indices: expected values -1 \(empty slot\) or in \[0, S_kv=7\), got values in .*{got}"):
         call(bad)
-    assert call(bad, check_values=False).S_kv == S_KV
+    assert call(bad, values=False).S_kv == S_KV
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -223,7 +277,7 @@ def test_sink_values(good, value):
         rf"got \[{value}\] at heads \[3\]",
     ):
         call(bad)
-    assert call(bad, check_values=False).H == H  # the value read is what the flag skips
+    assert call(bad, values=False).H == H  # the value read is what the flag skips
     sink[3] = -np.inf
     assert call(dict(good, attn_sink=T(sink))).H == H
 
@@ -238,7 +292,7 @@ def test_lse_values(good):
     bad = dict(good, lse=T(lse))
     with pytest.raises(ValueError, match=r"^lse: expected no NaN .*got 2 NaN value\(s\)"):
         call(bad)
-    assert call(bad, check_values=False).H == H
+    assert call(bad, values=False).H == H
 
 
 @pytest.mark.parametrize("name", ["out", "grad_out", "lse"])

@@ -16,7 +16,15 @@ import re
 import numpy as np
 import pytest
 
-from helpers import FRAMEWORKS, REPO_ROOT, CpuStandIn, rel_l2, to_numpy, to_tensor
+from helpers import (
+    FRAMEWORKS,
+    REPO_ROOT,
+    CpuStandIn,
+    record_calls,
+    rel_l2,
+    to_numpy,
+    to_tensor,
+)
 from paddlefleet.tilelang_ops.attn import interface, tiling
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
@@ -265,6 +273,26 @@ def test_bad_inputs_raise_naming_theto_tensor(fw):
                                         provider=prov)
     with pytest.raises(ValueError, match="lse"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse[:, :2], sk, idx, SM, provider=prov)
+    # Dv is out's last dim (was guessed from grad_out, and out was blamed)
+    with pytest.raises(ValueError) as err:
+        interface.mqa_latent_sparse_bwd(q, kv, out, do[..., :-1], lse, sk, idx, SM,
+                                        provider=prov)
+    assert str(err.value) == ("grad_out: expected shape [B, S, H, Dv] = [1, 4, 8, 512] (Dv from "
+                              "out), got [1, 4, 8, 511]")
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_each_wrapper_checks_once(fw, monkeypatch):
+    """One call, one tensor check and one value read (they used to run twice in places)."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=4)
+    prov = CpuStandIn()
+    calls = []
+    record_calls(monkeypatch, calls, interface, "check_tensors", "check_values")
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    assert calls == ["check_tensors", "check_values"]
+    calls.clear()
+    interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    assert calls == ["check_tensors", "check_values"]
 
 
 def test_readme_shows_the_wrappers_signatures():

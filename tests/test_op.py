@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
-from helpers import CpuStandIn, rel_l2
+from helpers import CpuStandIn, record_calls, rel_l2
 
+from paddlefleet.tilelang_ops.attn.checks import check_tensors, check_values
 from paddlefleet.tilelang_ops.attn.indices import (
     cu_seqlens_from_lengths,
     varlen_causal_topk_indices,
@@ -195,35 +196,43 @@ def test_float64_inputs_computed_in_float64(rng):
     assert tsk.grad.dtype == paddle.float32 and rel_l2(tsk.grad, rsk.grad) < 1e-6
 
 
+def _fake_interface(monkeypatch, **functions):
+    """A stand-in for ``attn/interface.py`` in ``sys.modules``, where the op imports it from."""
+    fake = types.ModuleType("paddlefleet.tilelang_ops.attn.interface")
+    fake._DEFAULT_PROVIDER = "provider"
+    for name, fn in functions.items():
+        setattr(fake, name, fn)
+    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", fake)
+
+
 def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     """The CUDA path (run here with a stand-in for ``interface``, since no Paddle GPU build is
-    available): the backward gets the forward's own out, natural-log LSE and indices, asks for
-    the deterministic kernel, and its gradients reach the right inputs."""
+    available): the backward gets the forward's own out, natural-log LSE, indices and sizes,
+    asks for the deterministic kernel, and its gradients reach the right inputs."""
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     calls = {}
 
-    def fake_fwd(query, kv_, token_indices, sm_scale, attn_sink=None, d_v=512, block_h=None,
-                 **kwargs):
-        out, lse = sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=d_v)
-        calls["fwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy())
+    def fake_fwd(provider, dims, query, kv_, token_indices, sm_scale, attn_sink, block_h):
+        out, lse = sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
+        calls["fwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
+                            provider=provider, dims=dims, block_h=block_h)
         return out, lse
 
-    def fake_bwd(query, kv_, out, grad_out, lse, attn_sink, token_indices, sm_scale,
-                 block_h=None, deterministic=True, lse_format="natural", **kwargs):
+    def fake_bwd(provider, dims, query, kv_, out, grad_out, lse, attn_sink, token_indices,
+                 sm_scale, block_h, deterministic, lse_format):
         calls["bwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
-                            deterministic=deterministic, lse_format=lse_format)
+                            provider=provider, dims=dims, deterministic=deterministic,
+                            lse_format=lse_format)
         return mqa_latent_sparse_bwd_ref(query, kv_, out, grad_out, lse, attn_sink, token_indices,
                                          sm_scale)
 
-    fake = types.ModuleType("paddlefleet.tilelang_ops.attn.interface")
-    fake.mqa_latent_sparse_fwd, fake.mqa_latent_sparse_bwd = fake_fwd, fake_bwd
-    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", fake)
-
+    _fake_interface(monkeypatch, _fwd=fake_fwd, _bwd=fake_bwd)
     tq = paddle.to_tensor(q, stop_gradient=False)
     tkv = paddle.to_tensor(kv, stop_gradient=False)
     tsk = paddle.to_tensor(sk, stop_gradient=False)
     tidx = paddle.to_tensor(idx)
-    out = SparseMQAAttentionFunction.apply(tq, tkv, tidx, tsk, 0.1, d_v, "tilelang", "cuda")
+    dims = check_tensors(tq, tkv, tidx, attn_sink=tsk, d_v=d_v)
+    out = SparseMQAAttentionFunction.apply(tq, tkv, tidx, tsk, 0.1, dims, "tilelang", "cuda")
     (out * paddle.to_tensor(grad)).sum().backward()
 
     fwd, bwd = calls["fwd"], calls["bwd"]
@@ -231,12 +240,28 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     np.testing.assert_array_equal(bwd["lse"], fwd["lse"])
     np.testing.assert_array_equal(bwd["idx"], idx)
     np.testing.assert_array_equal(fwd["idx"], idx)
+    assert fwd["dims"] == bwd["dims"] == dims and fwd["block_h"] is None
+    assert fwd["provider"] == bwd["provider"] == "provider"  # the wrappers' default kernels
     assert bwd["deterministic"] is True and bwd["lse_format"] == "natural"
     t = paddle.to_tensor
     dq, dkv, dsink = mqa_latent_sparse_bwd_ref(t(q), t(kv), None, t(grad), None, t(sk), t(idx), 0.1)
     assert rel_l2(tq.grad, dq) < 1e-6
     assert rel_l2(tkv.grad, dkv) < 1e-6
     assert rel_l2(tsk.grad, dsink) < 1e-6
+
+
+def test_one_call_checks_once(rng, monkeypatch):
+    """The op checks its tensors and reads their values once per call (the reference or the
+    kernel wrapper behind it used to check again); the backward checks nothing."""
+    from paddlefleet.tilelang_ops.attn import op as op_mod
+    from paddlefleet.tilelang_ops.attn import reference as ref_mod
+
+    q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)
+    calls = []
+    for module in (op_mod, ref_mod):
+        record_calls(monkeypatch, calls, module, "check_tensors", "check_values")
+    _run_op(q, kv, idx, sk, grad, d_v, 0.1)
+    assert calls == ["check_tensors", "check_values"]
 
 
 def test_bf16_on_cpu_keeps_dtypes(rng):
@@ -263,9 +288,10 @@ def test_bf16_on_cpu_keeps_dtypes(rng):
 
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
 def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sink):
-    """The op's CUDA path through the real host wrappers (``interface.py``: validation, head
+    """The op's CUDA path through the real host wrappers' bodies (``interface.py``: head
     padding, LSE bridge, exact deterministic dKV), with the three kernels replaced by the CPU
-    stand-ins of tests/test_interface.py.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels take."""
+    stand-ins of ``helpers.CpuStandIn``.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels
+    take."""
     from paddlefleet.tilelang_ops.attn import interface
 
     stand_in = CpuStandIn()
@@ -284,9 +310,9 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     kv16 = paddle.to_tensor(kv).astype("bfloat16")
     q16.stop_gradient = kv16.stop_gradient = False
     tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=False)
-    out = SparseMQAAttentionFunction.apply(
-        q16, kv16, paddle.to_tensor(idx), tsk, scale, 512, "tilelang", "cuda"
-    )
+    tidx = paddle.to_tensor(idx)
+    dims = check_tensors(q16, kv16, tidx, attn_sink=tsk, d_v=512)
+    out = SparseMQAAttentionFunction.apply(q16, kv16, tidx, tsk, scale, dims, "tilelang", "cuda")
     assert out.dtype == paddle.bfloat16
     (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
@@ -388,7 +414,7 @@ def test_packed_errors(rng):
     with pytest.raises(ValueError, match=r"^token_indices: row 9 \(document 1, rows \[6, 16\) of "
                                          r"cu_seqlens\) holds key 5, outside its document \(2 such"):
         call(idx_=bad)
-    # the range check comes first on CPU (validate_inputs' value checks)
+    # the range check comes first (the op's value checks, before the in-document one)
     bad[0, 2, 0] = 20
     with pytest.raises(ValueError, match=r"^token_indices: expected values -1 .empty slot. or in "
                                          r"\[0, S_kv=20\)"):
@@ -396,22 +422,28 @@ def test_packed_errors(rng):
 
 
 def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
-    """On CUDA the op leaves the index range check to the kernel wrapper (validate_inputs runs
-    with check_values=False); the in-document check must still run there, before the kernel.
-    Simulated: the op sees its tensors as CUDA ones and a stand-in ``interface`` runs the
-    reference."""
+    """On CUDA the op checks its inputs with the kernel wrapper's rules
+    (``interface._check_inputs``); the in-document check must run there too, before the
+    kernel.  Simulated: the op sees its tensors as CUDA ones and a stand-in ``interface`` checks
+    with the CPU rules and runs the reference."""
     from paddlefleet.tilelang_ops.attn import op as op_mod
 
     cu, q, kv, idx, sk, grad, d_v = _packed(rng, [5, 11])
     launched = []
 
-    def fake_fwd(query, kv_, token_indices, sm_scale, attn_sink=None, d_v=512, **kwargs):
-        launched.append("fwd")
-        return sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=d_v)
+    def fake_check(query, kv_, token_indices, sm_scale, attn_sink, check_indices, device, *,
+                   d_v):
+        assert check_indices is True and device == "cuda"
+        dims = check_tensors(query, kv_, token_indices, attn_sink=attn_sink, d_v=d_v)
+        check_values(dims, token_indices, attn_sink=attn_sink)
+        launched.append("check")
+        return dims, sm_scale
 
-    fake = types.ModuleType("paddlefleet.tilelang_ops.attn.interface")
-    fake.mqa_latent_sparse_fwd = fake_fwd
-    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", fake)
+    def fake_fwd(provider, dims, query, kv_, token_indices, sm_scale, attn_sink, block_h):
+        launched.append("fwd")
+        return sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
+
+    _fake_interface(monkeypatch, _check_inputs=fake_check, _fwd=fake_fwd)
     real_ops_for = op_mod.ops_for
 
     def cuda_ops_for(*ts):
@@ -427,9 +459,9 @@ def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
     with pytest.raises(ValueError, match=r"^token_indices: row 7 \(document 1"):
         sparse_mqa_attention(t(q), t(kv), t(bad), 0.1, t(sk), "reference", d_v=d_v,
                              cu_seqlens=cu)
-    assert launched == []
+    assert launched == ["check"]
     out = sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(sk), "reference", d_v=d_v,
                                cu_seqlens=cu)
-    assert launched == ["fwd"]
+    assert launched == ["check", "check", "fwd"]
     ref, _ = sparse_mqa_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)  # as the stand-in
     np.testing.assert_array_equal(out.numpy(), ref.numpy())

@@ -18,10 +18,10 @@ import math
 import numpy as np
 import pytest
 
-from helpers import Framework, extreme_logits_case, rel_l2, requires_cuda
+from helpers import Framework, extreme_logits_case, record_calls, rel_l2, requires_cuda
 
 from paddlefleet.tilelang_ops.attn import reference as ref_mod
-from paddlefleet.tilelang_ops.attn.checks import Dims
+from paddlefleet.tilelang_ops.attn.checks import Dims, check_tensors
 from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
 from paddlefleet.tilelang_ops.attn.reference import (
     mqa_latent_sparse_bwd_ref,
@@ -307,7 +307,7 @@ def test_chunking_does_not_change_results(fw, rng, monkeypatch):
     c = make_case(rng, 2, 3, True)
     whole = run_ref(fw, c)
     monkeypatch.setattr(ref_mod, "_CHUNK_BYTES", 1)  # one query row per chunk
-    assert ref_mod._chunk_rows(ref_mod.validate_inputs(
+    assert ref_mod._chunk_rows(check_tensors(
         fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), d_v=DV), "float64", True) == 1
     rows = run_ref(fw, c)
     for a, b in zip(whole, rows):
@@ -358,8 +358,10 @@ def test_bad_arguments(paddle_fw, rng):
     with pytest.raises(TypeError, match="query"):
         sparse_mqa_fwd_ref(c["q"], kv, idx, 0.1, d_v=DV)
     out, lse = sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV)
-    with pytest.raises(ValueError, match=r"^out: expected shape \[B, S, H, Dv\]"):
-        mqa_latent_sparse_bwd_ref(q, kv, out, do[..., :-1], lse, None, idx, 0.1)  # Dv: grad_out
+    with pytest.raises(ValueError) as err:  # Dv is out's last dim: grad_out is the odd one
+        mqa_latent_sparse_bwd_ref(q, kv, out, do[..., :-1], lse, None, idx, 0.1)
+    assert str(err.value) == ("grad_out: expected shape [B, S, H, Dv] = [1, 5, 3, 16] (Dv from "
+                              "out), got [1, 5, 3, 15]")
     with pytest.raises(ValueError, match="^lse: expected shape"):
         mqa_latent_sparse_bwd_ref(q, kv, out, do, lse[:, :-1], None, idx, 0.1)
     with pytest.raises(TypeError, match="^out: expected a paddle.Tensor or torch.Tensor, got numpy.ndarray"):
@@ -471,6 +473,21 @@ def test_reference_backward_in_kernel_order_matches_autograd(paddle_fw, rng):
         np.testing.assert_array_equal(fw.np(g), fw.np(b))
     for g, w in zip(got, autograd_grads(c)):
         assert rel_l2(fw.np(g), w) < 1e-12
+
+
+def test_each_reference_call_checks_once(paddle_fw, rng, monkeypatch):
+    """One tensor check and one value read per call (the backward used to check twice, the
+    deprecated one three times)."""
+    fw = paddle_fw
+    c = make_case(rng, 1, 3, True)
+    q, kv, idx, do, sink = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out", "sink"))
+    calls = []
+    record_calls(monkeypatch, calls, ref_mod, "check_tensors", "check_values")
+    out, lse = mqa_latent_sparse_fwd_ref(q, kv, idx, c["scale"], sink, d_v=DV)
+    mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, c["scale"])
+    with pytest.warns(DeprecationWarning):
+        sparse_mqa_bwd_ref(q, kv, do, idx, c["scale"], sink, d_v=DV)
+    assert calls == ["check_tensors", "check_values"] * 3
 
 
 def test_old_backward_name_still_works_and_warns(fw, rng):

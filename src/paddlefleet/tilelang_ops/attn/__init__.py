@@ -23,10 +23,14 @@ Paddle training (``op``, ``config``, ``layer``, ``tp``):
     reduce_from_tensor_parallel all-reduce forward, identity backward
 
 Inputs and tests (``checks``, ``indices``):
-    validate_inputs, Dims       the shared input checks and the named sizes they return
+    check_tensors, Dims         the shared tensor checks and the named sizes they return
+    check_values                the value checks (index range, sink, lse): one device read
     causal_topk_indices         random causal top-k indices for tests and demos
     varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
     cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
+
+Deprecated, kept until the next release:
+    validate_inputs             check_tensors + check_values in one call (warns)
 
 Every name is loaded on first use, so importing this package pulls in neither Paddle, PyTorch
 nor TileLang; ``help(name)`` documents each one (shapes, dtypes, errors).  The math is
@@ -50,8 +54,10 @@ _EXPORTS = {
     "lse_natural_to_log2_sink": "lse",
     "lse_log2_sink_to_natural": "lse",
     # input validation shared by every public entry point
-    "validate_inputs": "checks",
+    "check_tensors": "checks",
+    "check_values": "checks",
     "Dims": "checks",
+    "validate_inputs": "checks",
     # top-k indices for tests and demos (packed documents too)
     "causal_topk_indices": "indices",
     "varlen_causal_topk_indices": "indices",

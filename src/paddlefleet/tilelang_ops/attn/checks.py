@@ -1,28 +1,33 @@
 """Input validation shared by the reference, the host wrappers and the Paddle op.
 
-One function, :func:`validate_inputs`, checks the tensors of a sparse MQA-latent attention call
-(shapes and dtypes of ``docs/conventions.md``) in a fixed order, so that the first problem found
-is always the most basic one:
+Two functions check the tensors of a sparse MQA-latent attention call (shapes and dtypes of
+``docs/conventions.md``); every public entry point calls each at most once:
 
-1. tensor type and framework (``TypeError``): every tensor is a ``paddle.Tensor`` or a
-   ``torch.Tensor``, all from one framework;
-2. ``ndim`` (``ValueError``);
-3. device (``ValueError``): all tensors on one device kind, and on ``device`` if given;
-4. dtype (``TypeError``): float tensors in ``float_dtypes`` (if given), ``query`` and ``kv``
-   alike, ``token_indices`` int32/int64, ``attn_sink`` and ``lse`` float32;
-5. shapes agree (``ValueError``, the named dims and their values in the message);
-6. ``1 <= d_v <= Dk`` (``ValueError``; ``TypeError`` when ``d_v`` is not an int), then the
-   shapes of ``out``/``grad_out``, whose last dim is ``d_v``;
-7. values (``ValueError``; skipped when ``check_values=False``, because reading results back
-   synchronises a GPU stream): indices in ``[-1, S_kv)`` (one ``amin``/``amax``); ``attn_sink``
-   finite or ``-inf`` (``-inf`` = that head has no sink; NaN and ``+inf`` are rejected: a NaN
-   sink would otherwise be masked into a plausible finite output and ``+inf`` gives a NaN
-   ``d_sink``); ``lse`` not NaN (``+inf``, FlashMLA's marker of a row with no key, and ``-inf``
-   are allowed).
+* :func:`check_tensors`, metadata only (no device sync), in a fixed order, so that the first
+  problem found is always the most basic one:
+
+  1. tensor type and framework (``TypeError``): every tensor is a ``paddle.Tensor`` or a
+     ``torch.Tensor``, all from one framework;
+  2. ``ndim`` (``ValueError``);
+  3. device (``ValueError``): all tensors on one device kind, and on ``device`` if given;
+  4. dtype (``TypeError``): float tensors in ``float_dtypes`` (if given), ``query`` and ``kv``
+     alike, ``token_indices`` int32/int64, ``attn_sink`` and ``lse`` float32;
+  5. shapes agree (``ValueError``, the named dims and their values in the message);
+  6. the value width ``Dv``: the ``d_v`` argument (``1 <= d_v <= Dk``; ``TypeError`` when not
+     an int), or, in a backward call, the last dim of ``out`` (else of ``grad_out``), then the
+     shapes of ``out``/``grad_out``, whose last dim is ``Dv``.
+
+* :func:`check_values` (``ValueError``), which reads a few scalars back in one transfer (a GPU
+  stream sync, so callers can skip it): indices in ``[-1, S_kv)`` (one ``amin``/``amax``);
+  ``attn_sink`` finite or ``-inf`` (``-inf`` = that head has no sink; NaN and ``+inf`` are
+  rejected: a NaN sink would otherwise be masked into a plausible finite output and ``+inf``
+  gives a NaN ``d_sink``); ``lse`` not NaN (``+inf``, FlashMLA's marker of a row with no key,
+  and ``-inf`` are allowed).
 
 ``None`` for an optional tensor means "not given"; ``required`` names the optional tensors a
-caller needs (the backward needs ``out``, ``grad_out`` and ``lse``), and a missing one is a
-``TypeError`` naming it.
+caller needs (the backward needs ``grad_out``; the kernels' also ``out`` and ``lse``), and a
+missing one is a ``TypeError`` naming it.  :func:`validate_inputs`, both in one call, is the
+deprecated former interface.
 
 Every message names the argument, what was expected and what was got.  The layout of the checks
 follows the usual entry-point style of attention kernels (ndim, device, dtype, shape).
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -47,6 +53,8 @@ from .adapter import framework_of, ops_for, type_name
 
 __all__ = [
     "Dims",
+    "check_tensors",
+    "check_values",
     "validate_inputs",
     "check_sm_scale",
     "check_compute_dtype",
@@ -57,6 +65,12 @@ __all__ = [
 _INDEX_DTYPES = ("int32", "int64")
 _OPTIONAL = ("attn_sink", "out", "grad_out", "lse")
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+#: name -> layout; its length is the expected ndim
+_LAYOUTS = {
+    "query": ("B", "S", "H", "Dk"), "kv": ("B", "S_kv", "Dk"), "token_indices": ("B", "S", "L"),
+    "attn_sink": ("H",), "out": ("B", "S", "H", "Dv"), "grad_out": ("B", "S", "H", "Dv"),
+    "lse": ("B", "S", "H"),
+}
 
 
 @dataclass(frozen=True)
@@ -80,40 +94,39 @@ def _fmt(shape: Iterable[int]) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
-def validate_inputs(
+def check_tensors(
     query: Any,
     kv: Any,
     token_indices: Any,
     *,
     attn_sink: Any = None,
-    d_v: int = 512,
+    d_v: int | None = None,
     out: Any = None,
     grad_out: Any = None,
     lse: Any = None,
     float_dtypes: Iterable[str] | None = None,
-    device: str | None = None,
-    check_values: bool = True,
     aux_float_dtypes: Iterable[str] = ("float32",),
+    device: str | None = None,
     required: Iterable[str] = (),
 ) -> Dims:
-    """Check a sparse MQA-latent attention call and return its sizes.
+    """Check the tensors of a call (type, ndim, device, dtype, shapes; no values) and return
+    their sizes.  Reads metadata only: no device sync.
 
     Args:
         query: ``[B, S, H, Dk]`` float.
         kv: ``[B, S_kv, Dk]`` float, same dtype as ``query``.
-        token_indices: ``[B, S, L]`` int32 or int64; values ``-1`` (empty slot) or in
-            ``[0, S_kv)``.
+        token_indices: ``[B, S, L]`` int32 or int64.
         attn_sink: ``[H]`` float32 per-head sink logits, or ``None``.
-        d_v: value width ``Dv``, a Python int with ``1 <= d_v <= Dk``.
+        d_v: value width ``Dv``, a Python int with ``1 <= d_v <= Dk`` (a forward's argument);
+            ``None`` takes ``Dv`` from the last dim of ``out``, else of ``grad_out`` (a
+            backward), which must then be in ``[1, Dk]``.
         out, grad_out: ``[B, S, H, Dv]`` float, or ``None``.
         lse: ``[B, S, H]`` float32, or ``None``.
         float_dtypes: allowed dtypes of ``query``, ``kv``, ``out`` and ``grad_out`` (canonical
             names such as ``"bfloat16"``); ``None`` allows any float dtype.
-        device: required device kind of every tensor (``"cuda"``, ``"cpu"``), or ``None``.
-        check_values: check the values of ``token_indices`` (range), ``attn_sink`` (no NaN or
-            ``+inf``) and ``lse`` (no NaN); reads a few scalars back (a GPU stream sync).
         aux_float_dtypes: allowed dtypes of ``attn_sink`` and ``lse``; float32 unless a caller
             (the fp64 reference) widens it.
+        device: required device kind of every tensor (``"cuda"``, ``"cpu"``), or ``None``.
         required: names among ``"attn_sink"``, ``"out"``, ``"grad_out"``, ``"lse"`` that must
             not be ``None`` (``query``, ``kv`` and ``token_indices`` always must).
 
@@ -123,27 +136,29 @@ def validate_inputs(
     Raises:
         TypeError: a tensor argument is not a Paddle/PyTorch tensor, the tensors mix
             frameworks, a required tensor is ``None``, a dtype is not allowed, or ``d_v`` is
-            not an int.
-        ValueError: wrong ndim, device, shape, ``d_v`` out of range, an index outside
-            ``[-1, S_kv)``, a NaN or ``+inf`` in ``attn_sink``, a NaN in ``lse``, or an unknown
-            name in ``required``.
+            not an int (``None`` without ``out`` or ``grad_out`` included).
+        ValueError: wrong ndim, device or shape, ``Dv`` out of ``[1, Dk]``, or an unknown name
+            in ``required``.
     """
-    required = tuple(required)
+    named = {"query": query, "kv": kv, "token_indices": token_indices, "attn_sink": attn_sink,
+             "out": out, "grad_out": grad_out, "lse": lse}
+    present = _present(named, tuple(required))
+    ops = ops_for(*present.values())
+    shapes = _check_ndims(ops, present)
+    _check_device(ops, present, device)
+    _check_dtypes(ops, present, float_dtypes, tuple(aux_float_dtypes))
+    B, S, H, Dk, S_kv, L = _check_shapes(shapes)
+    Dv = _check_value_width(shapes, d_v, B, S, H, Dk)
+    return Dims(B=B, S=S, H=H, Dk=Dk, Dv=Dv, S_kv=S_kv, L=L)
+
+
+def _present(named: dict, required: tuple) -> dict:
+    """Step 1: the tensors given, each a Paddle/PyTorch tensor, all of one framework."""
     unknown = [r for r in required if r not in _OPTIONAL]
     if unknown:
         raise ValueError(f"required: expected names among {list(_OPTIONAL)}, got {unknown}")
-    named = {
-        "query": query,
-        "kv": kv,
-        "token_indices": token_indices,
-        "attn_sink": attn_sink,
-        "out": out,
-        "grad_out": grad_out,
-        "lse": lse,
-    }
     required = ("query", "kv", "token_indices") + required
     present = {}
-    # 1. type and framework
     for name, t in named.items():
         if t is None:
             if name in required:
@@ -158,29 +173,25 @@ def validate_inputs(
     if len(set(frameworks.values())) != 1:
         got = ", ".join(f"{n}={fw}" for n, fw in frameworks.items())
         raise TypeError(f"all tensors must come from one framework, got {got}")
-    ops = ops_for(*present.values())
+    return present
 
-    # 2. ndim
-    expected_ndim = {
-        "query": 4, "kv": 3, "token_indices": 3, "attn_sink": 1, "out": 4, "grad_out": 4,
-        "lse": 3,
-    }
-    layouts = {
-        "query": "[B, S, H, Dk]", "kv": "[B, S_kv, Dk]", "token_indices": "[B, S, L]",
-        "attn_sink": "[H]", "out": "[B, S, H, Dv]", "grad_out": "[B, S, H, Dv]",
-        "lse": "[B, S, H]",
-    }
+
+def _check_ndims(ops, present: dict) -> dict:
+    """Step 2: every tensor has the ndim of its layout; returns the shapes."""
     shapes = {}
     for name, t in present.items():
-        shape = ops.shape(t)
-        if len(shape) != expected_ndim[name]:
+        shape, layout = ops.shape(t), _LAYOUTS[name]
+        if len(shape) != len(layout):
             raise ValueError(
-                f"{name}: expected {expected_ndim[name]} dims {layouts[name]}, "
+                f"{name}: expected {len(layout)} dims [{', '.join(layout)}], "
                 f"got {len(shape)} dims with shape {_fmt(shape)}"
             )
         shapes[name] = shape
+    return shapes
 
-    # 3. device
+
+def _check_device(ops, present: dict, device: str | None) -> None:
+    """Step 3: one device kind, ``device`` when given."""
     kinds = {name: ops.device_kind(t) for name, t in present.items()}
     if device is not None:
         for name, kind in kinds.items():
@@ -190,9 +201,10 @@ def validate_inputs(
         got = ", ".join(f"{n} on {k}" for n, k in kinds.items())
         raise ValueError(f"all tensors must be on one device kind, got {got}")
 
-    # 4. dtype
+
+def _check_dtypes(ops, present: dict, float_dtypes, aux_allowed: tuple) -> None:
+    """Step 4: the float, index and auxiliary (sink, lse) dtypes."""
     allowed = tuple(float_dtypes) if float_dtypes is not None else _FLOAT_DTYPES
-    aux_allowed = tuple(aux_float_dtypes)
     dtypes = {name: ops.dtype(t) for name, t in present.items()}
     for name in ("query", "kv", "out", "grad_out"):
         if name in dtypes and dtypes[name] not in allowed:
@@ -209,7 +221,10 @@ def validate_inputs(
         if name in dtypes and dtypes[name] not in aux_allowed:
             raise TypeError(f"{name}: expected dtype in {list(aux_allowed)}, got {dtypes[name]}")
 
-    # 5. shapes
+
+def _check_shapes(shapes: dict) -> tuple:
+    """Step 5: the shapes of everything but ``out``/``grad_out`` agree with ``query``'s;
+    returns ``(B, S, H, Dk, S_kv, L)``."""
     B, S, H, Dk = shapes["query"]
     kb, S_kv, kdk = shapes["kv"]
     ib, is_, L = shapes["token_indices"]
@@ -244,54 +259,133 @@ def validate_inputs(
         raise ValueError(
             f"lse: expected shape [B, S, H] = {_fmt((B, S, H))}, got {_fmt(shapes['lse'])}"
         )
+    return B, S, H, Dk, S_kv, L
 
-    # 6. d_v (checked before out/grad_out shapes, which depend on it)
-    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral):
-        raise TypeError(f"d_v: expected a Python int, got {type(d_v).__name__}")
-    d_v = int(d_v)
-    if not 1 <= d_v <= Dk:
-        raise ValueError(f"d_v: expected 1 <= d_v <= Dk={Dk}, got {d_v}")
+
+def _check_value_width(shapes: dict, d_v, B: int, S: int, H: int, Dk: int) -> int:
+    """Step 6: ``Dv`` (from ``d_v``, else from ``out``, else from ``grad_out``), then the shapes
+    of ``out`` and ``grad_out``."""
+    source = ""
+    if d_v is None:
+        # A backward call: Dv is what the forward produced, so out (when given) defines it and
+        # a grad_out that disagrees is the one named.
+        name = next((n for n in ("out", "grad_out") if n in shapes), None)
+        if name is None:
+            raise TypeError("d_v: expected a Python int (or out / grad_out to take Dv from), "
+                            "got None")
+        shape = shapes[name]
+        if shape[:3] != (B, S, H):
+            raise ValueError(
+                f"{name}: expected [B, S, H, Dv] with B={B}, S={S} and H={H} (from query), got "
+                f"shape {_fmt(shape)}"
+            )
+        d_v, source = shape[3], f" (Dv from {name})"
+        if not 1 <= d_v <= Dk:
+            raise ValueError(
+                f"{name}: expected a last dim Dv with 1 <= Dv <= Dk={Dk}, got shape {_fmt(shape)}"
+            )
+    else:
+        if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral):
+            raise TypeError(f"d_v: expected a Python int, got {type(d_v).__name__}")
+        d_v = int(d_v)
+        if not 1 <= d_v <= Dk:
+            raise ValueError(f"d_v: expected 1 <= d_v <= Dk={Dk}, got {d_v}")
     for name in ("out", "grad_out"):
         if name in shapes and shapes[name] != (B, S, H, d_v):
             raise ValueError(
-                f"{name}: expected shape [B, S, H, Dv] = {_fmt((B, S, H, d_v))}, got "
+                f"{name}: expected shape [B, S, H, Dv] = {_fmt((B, S, H, d_v))}{source}, got "
                 f"{_fmt(shapes[name])}"
             )
+    return d_v
 
-    # 7. values, read back to the host in ONE transfer: every read is a device sync that
-    # exposes the caller's host-side launch time (four separate reads cost the kernels'
-    # wrappers 0.5-1.2 ms per call on the H200; docs/performance.md).
+
+def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
+                 lse: Any = None) -> None:
+    """Check the values of a call's tensors, already accepted by :func:`check_tensors`.
+
+    One device-to-host transfer of a few scalars (a GPU stream sync): every read is a sync that
+    exposes the caller's host-side launch time (four separate reads cost the kernels' wrappers
+    0.5-1.2 ms per call on the H200; docs/performance.md).
+
+    Args:
+        dims: what :func:`check_tensors` returned for these tensors.
+        token_indices: ``[B, S, L]``; every value must be ``-1`` (empty slot) or in
+            ``[0, S_kv)``.
+        attn_sink: ``[H]`` or ``None``; finite or ``-inf`` (that head has no sink).
+        lse: ``[B, S, H]`` or ``None``; no NaN (``+inf`` and ``-inf`` are allowed).
+
+    Raises:
+        ValueError: an index outside ``[-1, S_kv)`` (the range found is named), a NaN or
+            ``+inf`` in ``attn_sink`` (the heads and values are named), a NaN in ``lse`` (the
+            count is named).
+    """
+    ops = ops_for(token_indices, attn_sink, lse)
+
+    def _one(t):
+        return ops.reshape(ops.cast(t, "int64"), [1])
+
+    stats = [_one(ops.amin(token_indices)), _one(ops.amax(token_indices))]
+    if attn_sink is not None:
+        stats.append(_one(ops.sum(ops.cast(~(attn_sink < math.inf), "int64"))))  # NaN, +inf
+    if lse is not None:
+        stats.append(_one(ops.sum(ops.cast(lse != lse, "int64"))))  # NaN != NaN
+    vals = [int(v) for v in np.asarray(ops.to_numpy(ops.concat(stats, 0))).tolist()]
+    lo, hi = vals[0], vals[1]
+    if lo < -1 or hi >= dims.S_kv:
+        raise ValueError(
+            f"token_indices: expected values -1 (empty slot) or in [0, S_kv={dims.S_kv}), "
+            f"got values in [{lo}, {hi}]"
+        )
+    if attn_sink is not None and vals[2]:
+        # Error path only: read the [H] sink back whole to name the bad heads.
+        sink = np.asarray(ops.to_numpy(attn_sink), dtype=np.float64)
+        bad = np.flatnonzero(~(sink < math.inf))  # NaN and +inf; -inf passes
+        raise ValueError(
+            "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
+            f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
+            f"{bad.tolist()}"
+        )
+    if lse is not None and vals[-1]:
+        raise ValueError(
+            f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
+            f"got {vals[-1]} NaN value(s)"
+        )
+
+
+def validate_inputs(
+    query: Any,
+    kv: Any,
+    token_indices: Any,
+    *,
+    attn_sink: Any = None,
+    d_v: int = 512,
+    out: Any = None,
+    grad_out: Any = None,
+    lse: Any = None,
+    float_dtypes: Iterable[str] | None = None,
+    device: str | None = None,
+    check_values: bool = True,
+    aux_float_dtypes: Iterable[str] = ("float32",),
+    required: Iterable[str] = (),
+) -> Dims:
+    """Deprecated (until the next release): :func:`check_tensors` with these arguments, then,
+    unless ``check_values=False``, :func:`check_values`.  ``d_v`` defaults to 512 here, as
+    before; pass ``d_v=None`` to take it from ``out`` / ``grad_out``.
+
+    Raises:
+        TypeError, ValueError: as the two functions.
+    """
+    warnings.warn("validate_inputs is deprecated; call check_tensors, then check_values",
+                  DeprecationWarning, stacklevel=2)
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
+                         grad_out=grad_out, lse=lse, float_dtypes=float_dtypes,
+                         aux_float_dtypes=aux_float_dtypes, device=device, required=required)
     if check_values:
-        def _one(t):
-            return ops.reshape(ops.cast(t, "int64"), [1])
+        _check_values(dims, token_indices, attn_sink=attn_sink, lse=lse)
+    return dims
 
-        stats = [_one(ops.amin(token_indices)), _one(ops.amax(token_indices))]
-        if attn_sink is not None:
-            stats.append(_one(ops.sum(ops.cast(~(attn_sink < math.inf), "int64"))))  # NaN, +inf
-        if lse is not None:
-            stats.append(_one(ops.sum(ops.cast(lse != lse, "int64"))))  # NaN != NaN
-        vals = [int(v) for v in np.asarray(ops.to_numpy(ops.concat(stats, 0))).tolist()]
-        lo, hi = vals[0], vals[1]
-        if lo < -1 or hi >= S_kv:
-            raise ValueError(
-                f"token_indices: expected values -1 (empty slot) or in [0, S_kv={S_kv}), "
-                f"got values in [{lo}, {hi}]"
-            )
-        if attn_sink is not None and vals[2]:
-            # Error path only: read the [H] sink back whole to name the bad heads.
-            sink = np.asarray(ops.to_numpy(attn_sink), dtype=np.float64)
-            bad = np.flatnonzero(~(sink < math.inf))  # NaN and +inf; -inf passes
-            raise ValueError(
-                "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
-                f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
-                f"{bad.tolist()}"
-            )
-        if lse is not None and vals[-1]:
-            raise ValueError(
-                f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
-                f"got {vals[-1]} NaN value(s)"
-            )
-    return Dims(B=B, S=S, H=H, Dk=Dk, Dv=d_v, S_kv=S_kv, L=L)
+
+_check_values = check_values  # validate_inputs' flag of the same name hides the function
 
 
 def check_sm_scale(sm_scale: Any) -> float:

@@ -1,10 +1,12 @@
 """Host wrappers of the TileLang sparse MQA-latent attention kernels.
 
 ``mqa_latent_sparse_fwd`` and ``mqa_latent_sparse_bwd`` take Paddle or PyTorch CUDA tensors and
-return tensors of the same framework.  Each one: validates the inputs (``checks.validate_inputs``),
-picks the head plan (``tiling.head_plan``), makes inputs contiguous, zero-pads the head axis to
-the plan's ``H_pad`` and the top-k axis to a multiple of the key block (with ``-1``), launches
-the kernels through a *provider* and slices the pad heads off.  The math is
+return tensors of the same framework.  Each one: checks the inputs once
+(``checks.check_tensors``, ``checks.check_values``), picks the head plan (``tiling.head_plan``),
+makes inputs contiguous, zero-pads the head axis to the plan's ``H_pad`` and the top-k axis to a
+multiple of the key block (with ``-1``), launches the kernels through a *provider* and slices
+the pad heads off.  The op (``op.py``) checks with the same rules once and then calls the
+unchecked bodies ``_fwd`` / ``_bwd``.  The math is
 ``docs/conventions.md``; the exact definition is ``attn/reference.py``.
 
 The provider (:class:`TileLangKernels` by default) is the only place that touches TileLang, so
@@ -25,7 +27,7 @@ from typing import Any
 
 from . import tiling
 from .adapter import ops_for, type_name
-from .checks import check_sm_scale, validate_inputs
+from .checks import check_sm_scale, check_tensors, check_values
 from .lse import lse_natural_to_log2_sink
 
 __all__ = [
@@ -289,7 +291,7 @@ def mqa_latent_sparse_fwd(
         block_h: 16, 32 or ``None`` (32 when it divides ``H``, else 16): head padding
             granularity (``tiling.head_plan``).
         check_indices: check the values (every index in ``[-1, S_kv)``, no NaN/+inf sink, no
-            NaN lse; ``checks.validate_inputs(check_values=...)``): a few device->host reads.
+            NaN lse; ``checks.check_values``): one device->host read of a few scalars.
         provider: kernel launchers (tests); default :class:`TileLangKernels`.
 
     Returns:
@@ -304,11 +306,14 @@ def mqa_latent_sparse_fwd(
             range, ``block_h`` other than 16/32, ``sm_scale <= 0``.
     """
     provider = provider or _DEFAULT_PROVIDER
-    dims = validate_inputs(
-        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, float_dtypes=("bfloat16",),
-        device=provider.device, check_values=_check_bool(check_indices, "check_indices"),
-    )
-    sm_scale = check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it
+    dims, sm_scale = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
+                                   check_indices, provider.device, d_v=d_v)
+    return _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h)
+
+
+def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h):
+    """:func:`mqa_latent_sparse_fwd` on inputs :func:`_check_inputs` accepted (the op checks
+    once with it, then calls this)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, token_indices, attn_sink)
@@ -344,7 +349,8 @@ def mqa_latent_sparse_bwd(
 
     Args:
         query: ``[B, S, H, Dk]`` bf16 CUDA.  kv: ``[B, S_kv, Dk]`` bf16.
-        out: ``[B, S, H, Dv]`` bf16, the forward output.  grad_out: ``[B, S, H, Dv]`` bf16.
+        out: ``[B, S, H, Dv]`` bf16, the forward output; ``Dv`` is its last dim.
+        grad_out: ``[B, S, H, Dv]`` bf16, the same shape as ``out``.
         lse: ``[B, S, H]`` fp32 in the form named by ``lse_format``:
             ``"natural"``: natural log, sink-exclusive (our forward, FlashMLA's sparse prefill);
             ``"log2_sink"``: base 2, sink-inclusive (``log2`` of the full softmax denominator).
@@ -374,13 +380,17 @@ def mqa_latent_sparse_bwd(
     if lse_format not in ("natural", "log2_sink"):
         raise ValueError(f"lse_format: expected 'natural' or 'log2_sink', got {lse_format!r}")
     _check_bool(deterministic, "deterministic")
-    dims = validate_inputs(
-        query, kv, token_indices, attn_sink=attn_sink, d_v=_dv_of(grad_out), out=out,
-        grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",), device=provider.device,
-        check_values=_check_bool(check_indices, "check_indices"),
-        required=("out", "grad_out", "lse"),
-    )
-    sm_scale = check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it
+    dims, sm_scale = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
+                                   check_indices, provider.device, out=out, grad_out=grad_out,
+                                   lse=lse)
+    return _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices,
+                sm_scale, block_h, deterministic, lse_format)
+
+
+def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
+         block_h, deterministic, lse_format):
+    """:func:`mqa_latent_sparse_bwd` on checked inputs (the op calls this with the tensors its
+    forward checked and saved)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
@@ -427,10 +437,17 @@ def mqa_latent_sparse_bwd(
     return _slice_heads(ops, dq, H), ops.cast(dkv32, "bfloat16"), d_sink
 
 
-def _dv_of(grad_out) -> int:
-    """``Dv`` from ``grad_out``'s last dim (validated afterwards); 512 when it is not a tensor,
-    so that ``validate_inputs`` reports the bad argument itself."""
-    try:
-        return int(grad_out.shape[-1])
-    except (AttributeError, IndexError, TypeError):
-        return 512
+# --- the wrappers' input checks, run once per call --------------------------------------------
+def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, device, *,
+                  d_v=None, out=None, grad_out=None, lse=None):
+    """The wrappers' checks: tensors (bf16 on ``device``), their values unless
+    ``check_indices`` is False, ``sm_scale``.  A forward passes ``d_v``; a backward passes
+    ``out``, ``grad_out`` and ``lse`` (required) and no ``d_v``: ``Dv`` is ``out``'s last dim.
+    Returns ``(dims, sm_scale as a float)``."""
+    check = _check_bool(check_indices, "check_indices")
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
+                         grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",), device=device,
+                         required=() if d_v is not None else ("out", "grad_out", "lse"))
+    if check:
+        check_values(dims, token_indices, attn_sink=attn_sink, lse=lse)
+    return dims, check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it

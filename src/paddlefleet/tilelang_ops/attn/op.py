@@ -5,16 +5,20 @@ Reads top to bottom: backend choice -> plain forward/backward dispatch functions
 bookkeeping) -> the public :func:`sparse_mqa_attention`.
 
 Forward: the TileLang kernel (``interface.mqa_latent_sparse_fwd``) for CUDA tensors, the
-reference (``reference.sparse_mqa_fwd_ref``) for CPU tensors, computed in fp64 for fp64 inputs
-and in fp32 otherwise.  Backward: chosen by
-``backward_backend``; the top-k indices, ``out`` and the natural-log, sink-exclusive ``lse``
-are saved by the forward and reused, never recomputed.  The math is docs/conventions.md; the
-exact definition is ``attn/reference.py``.
+reference (``reference.mqa_latent_sparse_fwd_ref``) for CPU tensors, computed in fp64 for fp64
+inputs and in fp32 otherwise.  Backward: chosen by ``backward_backend``; the top-k indices,
+``out`` and the natural-log, sink-exclusive ``lse`` are saved by the forward and reused, never
+recomputed.  The math is docs/conventions.md; the exact definition is ``attn/reference.py``.
+
+Inputs are checked once, when the op is called (on CUDA with the kernel wrapper's rules); the
+PyLayer then runs the wrapper's or the reference's unchecked bodies (``_fwd`` / ``_bwd``).
 
 The kernel module is imported lazily, on the CUDA path only, so CPU-only installs work.
 """
 
 from __future__ import annotations
+
+from importlib import import_module
 
 import paddle
 from paddle.autograd import PyLayer
@@ -24,9 +28,12 @@ from .checks import (
     check_cu_seqlens,
     check_indices_in_documents,
     check_sm_scale,
-    validate_inputs,
+    check_tensors,
+    check_values,
 )
 from .config import BACKWARD_BACKENDS
+from .reference import _bwd as _reference_bwd
+from .reference import _fwd as _reference_fwd
 
 __all__ = ["sparse_mqa_attention", "SparseMQAAttentionFunction", "resolve_backward_backend"]
 
@@ -61,45 +68,55 @@ def _ref_dtype(query) -> str:
     return "float64" if ops_for(query).dtype(query) == "float64" else "float32"
 
 
-def _forward(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind):
-    """-> ``(out [B,S,H,Dv] in query's dtype, lse [B,S,H] natural, sink-exclusive)``; ``lse``
-    is fp32 (fp64 for fp64 inputs on CPU)."""
+def _interface():
+    """The kernels' host wrappers, imported on the CUDA path only (CPU-only installs may lack
+    TileLang); through ``sys.modules``, so that tests can put a stand-in there."""
+    return import_module(".interface", __package__)
+
+
+def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind):
+    """The op's input checks, the only ones of a call: on CUDA the kernel wrapper's rules (bf16,
+    values included: one device->host read), on CPU the generic ones.  Returns the sizes."""
     if device_kind == "cuda":
-        from .interface import mqa_latent_sparse_fwd
+        dims, _ = _interface()._check_inputs(query, kv, token_indices, sm_scale, attn_sink,
+                                             True, "cuda", d_v=d_v)
+        return dims
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v)
+    check_values(dims, token_indices, attn_sink=attn_sink)
+    return dims
 
-        out, lse = mqa_latent_sparse_fwd(query, kv, token_indices, sm_scale, attn_sink, d_v=d_v)
+
+def _forward(dims, query, kv, token_indices, sm_scale, attn_sink, device_kind):
+    """-> ``(out [B,S,H,Dv] in query's dtype, lse [B,S,H] natural, sink-exclusive)``; ``lse``
+    is fp32 (fp64 for fp64 inputs on CPU).  The inputs were checked by the op."""
+    if device_kind == "cuda":
+        kernels = _interface()
+        out, lse = kernels._fwd(kernels._DEFAULT_PROVIDER, dims, query, kv, token_indices,
+                                sm_scale, attn_sink, None)
     else:
-        from .reference import sparse_mqa_fwd_ref
-
-        out, lse = sparse_mqa_fwd_ref(
-            query, kv, token_indices, sm_scale, attn_sink, d_v=d_v, dtype=_ref_dtype(query)
-        )
+        out, lse = _reference_fwd(dims, query, kv, token_indices, sm_scale, attn_sink,
+                                  _ref_dtype(query))
     ops = ops_for(query)
     lse_dtype = "float64" if ops.dtype(lse) == "float64" else "float32"
     return ops.cast(out, ops.dtype(query)), ops.cast(lse, lse_dtype)
 
 
-def _backward(backend, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale, d_v):
-    """-> ``(dq in query's dtype, dkv in kv's dtype, d_sink fp32 [H])``."""
+def _backward(backend, dims, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale):
+    """-> ``(dq in query's dtype, dkv in kv's dtype, d_sink fp32 [H])``.  The forward checked
+    every input but ``grad_out``, which Paddle gives in ``out``'s shape."""
     ops = ops_for(query)
     if backend == "tilelang":
-        from .interface import mqa_latent_sparse_bwd
-
+        kernels = _interface()
         grad_out = ops.contiguous(ops.cast(grad_out, ops.dtype(out)))
-        # The indices were range-checked by the forward; skip the device->host read here.
-        dq, dkv, d_sink = mqa_latent_sparse_bwd(
-            query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
-            deterministic=True, lse_format="natural", check_indices=False,
+        dq, dkv, d_sink = kernels._bwd(
+            kernels._DEFAULT_PROVIDER, dims, query, kv, out, grad_out, lse, attn_sink,
+            token_indices, sm_scale, None, True, "natural",
         )
     else:
-        from .reference import mqa_latent_sparse_bwd_ref
-
         # The reference recomputes P from (query, kv, token_indices); the saved indices are
         # what it gets, so the top-k selection is still never recomputed.
-        dq, dkv, d_sink = mqa_latent_sparse_bwd_ref(
-            query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
-            dtype=_ref_dtype(query),
-        )
+        dq, dkv, d_sink = _reference_bwd(dims, query, kv, grad_out, attn_sink, token_indices,
+                                         sm_scale, _ref_dtype(query))
     return ops.cast(dq, ops.dtype(query)), ops.cast(dkv, ops.dtype(kv)), d_sink
 
 
@@ -115,10 +132,10 @@ class SparseMQAAttentionFunction(PyLayer):
     """
 
     @staticmethod
-    def forward(ctx, query, kv, token_indices, attn_sink, sm_scale, d_v, backend, device_kind):
-        out, lse = _forward(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind)
+    def forward(ctx, query, kv, token_indices, attn_sink, sm_scale, dims, backend, device_kind):
+        out, lse = _forward(dims, query, kv, token_indices, sm_scale, attn_sink, device_kind)
         ctx.sm_scale = sm_scale
-        ctx.d_v = d_v
+        ctx.dims = dims
         ctx.backend = backend
         ctx.has_sink = attn_sink is not None
         ctx.needs_grad = (
@@ -133,8 +150,8 @@ class SparseMQAAttentionFunction(PyLayer):
     def backward(ctx, grad_out):
         query, kv, token_indices, out, lse, attn_sink = ctx.saved_tensor()
         dq, dkv, d_sink = _backward(
-            ctx.backend, query, kv, out, grad_out, lse, attn_sink, token_indices,
-            ctx.sm_scale, ctx.d_v,
+            ctx.backend, ctx.dims, query, kv, out, grad_out, lse, attn_sink, token_indices,
+            ctx.sm_scale,
         )
         need_q, need_kv, need_sink = ctx.needs_grad
         grads = [dq if need_q else None, dkv if need_kv else None, None]
@@ -147,9 +164,9 @@ class SparseMQAAttentionFunction(PyLayer):
 def _check_packed(dims, token_indices, cu_seqlens) -> None:
     """The packed-documents checks of the forward (see :func:`sparse_mqa_attention`).
 
-    The forward always checks index values (on CPU in ``validate_inputs``, on CUDA in the
-    kernel wrapper, ``check_indices=True``); the in-document check is one of them and runs on
-    every device.  The backward reuses the checked indices and checks nothing.
+    Run after :func:`_check_inputs` (whose value checks include the index range) on every
+    device; the in-document check is one more value check.  The backward reuses the checked
+    indices and checks nothing.
     """
     cu = check_cu_seqlens(cu_seqlens, dims.S)
     if dims.B != 1:
@@ -231,11 +248,11 @@ def sparse_mqa_attention(
         ``out``: ``[B, S, H, Dv]`` in ``query``'s dtype.
 
     Raises:
-        TypeError / ValueError: bad tensors (``checks.validate_inputs``; on CUDA the value
-            checks run in ``interface.mqa_latent_sparse_fwd``), ``sm_scale`` not finite and
-            ``> 0``, an unknown ``backward_backend``, or ``"tilelang"`` on CPU tensors.
-            On CUDA also (from the kernel's forward, whatever ``backward_backend``):
-            ``ValueError`` for ``(Dk, Dv) != (576, 512)``, ``TypeError`` for non-bf16 inputs.
+        TypeError / ValueError: bad tensors (``checks.check_tensors``, ``checks.check_values``;
+            on CUDA with the kernel wrapper's rules, so ``TypeError`` for non-bf16 inputs),
+            ``sm_scale`` not finite and ``> 0``, an unknown ``backward_backend``, or
+            ``"tilelang"`` on CPU tensors.  On CUDA also (from the kernel's forward, whatever
+            ``backward_backend``): ``ValueError`` for ``(Dk, Dv) != (576, 512)``.
             With ``cu_seqlens``: ``TypeError`` when it is not an int32 tensor/array;
             ``ValueError`` when it is not 1-D with >= 2 entries, does not start at 0, decreases,
             does not end at ``S``, when ``B != 1`` or ``S_kv != S``, or when an index points
@@ -252,13 +269,9 @@ def sparse_mqa_attention(
     ops = ops_for(query)
     device_kind = ops.device_kind(query)
     backend = resolve_backward_backend(backward_backend, device_kind)
-    # Reading the index range back syncs the GPU stream; the CUDA wrapper does its own checks.
-    dims = validate_inputs(
-        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
-        check_values=device_kind != "cuda",
-    )
+    dims = _check_inputs(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind)
     if cu_seqlens is not None:
         _check_packed(dims, token_indices, cu_seqlens)
     return SparseMQAAttentionFunction.apply(
-        query, kv, token_indices, attn_sink, sm_scale, d_v, backend, device_kind
+        query, kv, token_indices, attn_sink, sm_scale, dims, backend, device_kind
     )

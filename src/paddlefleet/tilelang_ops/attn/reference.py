@@ -25,7 +25,7 @@ import warnings
 from typing import Any
 
 from .adapter import ops_for
-from .checks import check_compute_dtype, check_sm_scale, validate_inputs
+from .checks import check_compute_dtype, check_sm_scale, check_tensors, check_values
 # The LSE bridge lives in .lse; re-exported here, where it was until 0.1 (deprecated).
 from .lse import lse_log2_sink_to_natural, lse_natural_to_log2_sink  # noqa: F401
 
@@ -106,19 +106,8 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     return kv_g, safe, P, lse, p_sink
 
 
-def _prepare(query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=None,
-             backward=False):
-    dims = validate_inputs(
-        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, grad_out=grad_out,
-        float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX,
-        required=("grad_out",) if backward else (),
-    )
-    sm_scale = check_sm_scale(sm_scale)
-    dtype = check_compute_dtype(dtype)
-    ops = ops_for(query, kv, token_indices, attn_sink, grad_out)
-    kv_c = ops.cast(kv, dtype)
-    sink_c = None if attn_sink is None else ops.cast(attn_sink, dtype)
-    return dims, sm_scale, dtype, ops, kv_c, sink_c
+def _cast_kv_sink(ops, kv, attn_sink, dtype):
+    return ops.cast(kv, dtype), (None if attn_sink is None else ops.cast(attn_sink, dtype))
 
 
 def sparse_mqa_fwd_ref(
@@ -150,13 +139,21 @@ def sparse_mqa_fwd_ref(
         scaled scores, ``-inf`` for a row with no valid key (whose ``out`` is 0).
 
     Raises:
-        TypeError, ValueError: bad input, see :func:`checks.validate_inputs` (index range and
-        sink values are always checked here); ``sm_scale`` not a finite real ``> 0``;
-        ``dtype`` not ``"float32"``/``"float64"``.
+        TypeError, ValueError: bad input, see :func:`checks.check_tensors` and
+        :func:`checks.check_values` (index range and sink values are always checked here);
+        ``sm_scale`` not a finite real ``> 0``; ``dtype`` not ``"float32"``/``"float64"``.
     """
-    dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
-        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype
-    )
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
+                         float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX)
+    check_values(dims, token_indices, attn_sink=attn_sink)
+    return _fwd(dims, query, kv, token_indices, check_sm_scale(sm_scale), attn_sink,
+                check_compute_dtype(dtype))
+
+
+def _fwd(dims, query, kv, token_indices, sm_scale, attn_sink, dtype):
+    """The forward on checked inputs (the public function, and the op, check them once)."""
+    ops = ops_for(query, kv, token_indices, attn_sink)
+    kv_c, sink_c = _cast_kv_sink(ops, kv, attn_sink, dtype)
     step = _chunk_rows(dims, dtype, backward=False)
     # Outputs are filled in place, chunk by chunk, so they are never held twice.
     out = ops.zeros((dims.B, dims.S, dims.H, dims.Dv), dtype, kv_c)
@@ -196,9 +193,11 @@ def mqa_latent_sparse_bwd_ref(
 
     Args:
         query, kv: as in :func:`sparse_mqa_fwd_ref`.
-        out: ``[B, S, H, Dv]`` float, the forward output, or ``None``.
+        out: ``[B, S, H, Dv]`` float, the forward output, or ``None``; when given, its last dim
+            is ``Dv``.
         grad_out: ``[B, S, H, Dv]`` float, gradient of the loss with respect to ``out``
-            (required: ``None`` raises ``TypeError``); its last dim is ``Dv``.
+            (required: ``None`` raises ``TypeError``); ``Dv`` is its last dim when ``out`` is
+            ``None``.
         lse: ``[B, S, H]`` float32/float64, the forward's LSE (any ``lse_format``), or ``None``.
             ``out`` and ``lse`` are checked for type and shape only: the reference recomputes
             both in ``dtype`` from ``query`` and ``kv``, so its gradient is the exact one and
@@ -214,19 +213,22 @@ def mqa_latent_sparse_bwd_ref(
 
     Raises:
         TypeError, ValueError: as :func:`sparse_mqa_fwd_ref`, plus ``grad_out``, ``out`` and
-        ``lse`` checks (type, framework, device, dtype, shape).
+        ``lse`` checks (type, framework, device, dtype, shape; a ``grad_out`` whose shape
+        differs from ``out``'s is named).
     """
-    d_v = _value_width(grad_out)
     # out and lse: type, device, dtype and shape only (their values are not used).
-    validate_inputs(
-        query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out, grad_out=grad_out,
-        lse=lse, float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX, check_values=False,
-        required=("grad_out",),
-    )
-    dims, sm_scale, dtype, ops, kv_c, sink_c = _prepare(
-        query, kv, token_indices, sm_scale, attn_sink, d_v, dtype, grad_out=grad_out,
-        backward=True,
-    )
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, out=out,
+                         grad_out=grad_out, lse=lse, float_dtypes=_REF_FLOATS,
+                         aux_float_dtypes=_REF_AUX, required=("grad_out",))
+    check_values(dims, token_indices, attn_sink=attn_sink)
+    return _bwd(dims, query, kv, grad_out, attn_sink, token_indices, check_sm_scale(sm_scale),
+                check_compute_dtype(dtype))
+
+
+def _bwd(dims, query, kv, grad_out, attn_sink, token_indices, sm_scale, dtype):
+    """The backward on checked inputs (the public functions, and the op, check them once)."""
+    ops = ops_for(query, kv, token_indices, attn_sink, grad_out)
+    kv_c, sink_c = _cast_kv_sink(ops, kv, attn_sink, dtype)
     B, H, Dk, Dv = dims.B, dims.H, dims.Dk, dims.Dv
     step = _chunk_rows(dims, dtype, backward=True)
     dq = ops.zeros((B, dims.S, H, Dk), dtype, kv_c)
@@ -257,16 +259,6 @@ def mqa_latent_sparse_bwd_ref(
     return dq, dkv, d_sink
 
 
-
-def _value_width(grad_out: Any) -> int:
-    """``Dv`` from ``grad_out``'s last dim (validated afterwards); 512 when it is not a tensor,
-    so that ``validate_inputs`` reports the bad argument itself."""
-    try:
-        return int(grad_out.shape[-1])
-    except (AttributeError, IndexError, TypeError):
-        return 512
-
-
 def sparse_mqa_bwd_ref(
     query: Any,
     kv: Any,
@@ -295,12 +287,13 @@ def sparse_mqa_bwd_ref(
         DeprecationWarning,
         stacklevel=2,
     )
-    # d_v as before: checked against grad_out (one validation, with the old messages).
-    validate_inputs(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, grad_out=grad_out,
-                    float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX, check_values=False,
-                    required=("grad_out",))
-    return mqa_latent_sparse_bwd_ref(query, kv, None, grad_out, None, attn_sink, token_indices,
-                                     sm_scale, dtype=dtype)
+    # d_v as before: checked against grad_out.
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
+                         grad_out=grad_out, float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX,
+                         required=("grad_out",))
+    check_values(dims, token_indices, attn_sink=attn_sink)
+    return _bwd(dims, query, kv, grad_out, attn_sink, token_indices, check_sm_scale(sm_scale),
+                check_compute_dtype(dtype))
 
 
 #: The forward reference under the kernel's name (same function, same arguments as
