@@ -1,4 +1,5 @@
-"""MLAAttentionConfig: derived sizes, validation naming the field, (de)serialisation, presets."""
+"""attn/config.py: MQALatentAttentionConfig's derived sizes, validation naming the field,
+(de)serialisation, presets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from paddlefleet.tilelang_ops.attn.config import (
     PRESETS,
-    MLAAttentionConfig,
+    MQALatentAttentionConfig,
     get_preset,
     load_config,
 )
@@ -65,8 +66,16 @@ def test_small_preset_splits_over_eight_ranks():
     ],
 )
 def test_bad_field_named(field, value):
-    with pytest.raises(ValueError, match=rf"MLAAttentionConfig\.{field}"):
+    with pytest.raises(ValueError, match=rf"MQALatentAttentionConfig\.{field}"):
         get_preset("deepseek_v32_small", **{field: value})
+
+
+def test_former_name_is_the_config():
+    """``MLAAttentionConfig`` stays one release, the same class (isinstance and messages)."""
+    from paddlefleet.tilelang_ops.attn.config import MLAAttentionConfig
+
+    assert MLAAttentionConfig is MQALatentAttentionConfig
+    assert isinstance(get_preset("deepseek_v32_small"), MLAAttentionConfig)
 
 
 def test_heads_must_divide_over_ranks():
@@ -78,29 +87,29 @@ def test_heads_must_divide_over_ranks():
 
 def test_dict_round_trip_and_unknown_keys():
     cfg = get_preset("deepseek_v32_small", backward_backend=None, softmax_scale=0.25)
-    assert MLAAttentionConfig.from_dict(cfg.to_dict()) == cfg
+    assert MQALatentAttentionConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown field.*num_heads"):
-        MLAAttentionConfig.from_dict({**cfg.to_dict(), "num_heads": 8})
+        MQALatentAttentionConfig.from_dict({**cfg.to_dict(), "num_heads": 8})
     data = cfg.to_dict()
     del data["v_head_dim"]
     with pytest.raises(ValueError, match="missing.*v_head_dim"):
-        MLAAttentionConfig.from_dict(data)
+        MQALatentAttentionConfig.from_dict(data)
     with pytest.raises(TypeError):
-        MLAAttentionConfig.from_dict([("hidden_size", 8)])
+        MQALatentAttentionConfig.from_dict([("hidden_size", 8)])
 
 
 def test_json_round_trip(tmp_path):
     cfg = get_preset("deepseek_v32", tensor_parallel_degree=8)
     path = tmp_path / "cfg.json"
     cfg.to_json_file(path)
-    assert MLAAttentionConfig.from_json_file(path) == cfg
+    assert MQALatentAttentionConfig.from_json_file(path) == cfg
     assert load_config(str(path)) == cfg
     assert load_config(path, tensor_parallel_degree=2).tensor_parallel_degree == 2
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_shipped_json_files_equal_presets(name):
-    assert MLAAttentionConfig.from_json_file(CONFIG_DIR / f"{name}.json") == get_preset(name)
+    assert MQALatentAttentionConfig.from_json_file(CONFIG_DIR / f"{name}.json") == get_preset(name)
     assert json.loads((CONFIG_DIR / f"{name}.json").read_text())["hidden_size"] > 0
 
 
@@ -132,4 +141,4 @@ def test_bad_json_file_named(tmp_path):
         load_config(str(bad))
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"broken\.json': expected a JSON object.*got a JSON list"):
-        MLAAttentionConfig.from_json_file(bad)
+        MQALatentAttentionConfig.from_json_file(bad)

@@ -29,7 +29,10 @@ from paddlefleet.tilelang_ops.attn import interface, tiling
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
 from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
-from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref, sparse_mqa_fwd_ref
+from paddlefleet.tilelang_ops.attn.reference import (
+    mqa_latent_sparse_bwd_ref,
+    mqa_latent_sparse_fwd_ref,
+)
 
 DK, DV = 576, 512
 SM = DK ** -0.5
@@ -59,7 +62,7 @@ def test_fwd_through_stand_in_matches_reference(fw, H, L, sink, block_h, index_d
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, block_h=block_h,
                                                provider=prov)
-    ref_out, ref_lse = sparse_mqa_fwd_ref(q, kv, idx, SM, sk)
+    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM, sk)
     assert ops_for(out).shape(out) == (1, 6, H, DV) and ops_for(out).dtype(out) == "bfloat16"
     assert ops_for(lse).shape(lse) == (1, 6, H) and ops_for(lse).dtype(lse) == "float32"
     assert rel_l2(out, ref_out) < 1e-2

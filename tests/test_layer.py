@@ -158,7 +158,7 @@ def test_errors():
     cfg = get_preset("deepseek_v32_small")
     with pytest.raises(ValueError, match="tensor_parallel_degree=2.*1 rank"):
         MQALatentAttention(cfg.replace(tensor_parallel_degree=2))
-    with pytest.raises(TypeError, match="MLAAttentionConfig"):
+    with pytest.raises(TypeError, match="MQALatentAttentionConfig"):
         MQALatentAttention(cfg.to_dict())
     layer = MQALatentAttention(cfg)
     idx = paddle.to_tensor(causal_topk_indices(1, 8, 8, 4))

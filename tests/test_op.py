@@ -1,5 +1,6 @@
-"""sparse_mqa_attention (Paddle PyLayer) on CPU: values and gradients against an independent
-float64 dense formulation, exact plumbing against the reference, backend dispatch and errors.
+"""attn/op.py: mqa_latent_sparse_attention (Paddle PyLayer) on CPU: values and gradients against
+an independent float64 dense formulation, exact plumbing against the reference, backend dispatch
+and errors.
 
 The dense formulation scores every key and weights it by how often the row's top-k indices
 name it (duplicates count separately, -1 slots not at all), with the sink as one extra
@@ -23,11 +24,14 @@ from paddlefleet.tilelang_ops.attn.indices import (
     varlen_causal_topk_indices,
 )
 from paddlefleet.tilelang_ops.attn.op import (
-    SparseMQAAttentionFunction,
+    MQALatentSparseAttentionFunction,
+    mqa_latent_sparse_attention,
     resolve_backward_backend,
-    sparse_mqa_attention,
 )
-from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref, sparse_mqa_fwd_ref
+from paddlefleet.tilelang_ops.attn.reference import (
+    mqa_latent_sparse_bwd_ref,
+    mqa_latent_sparse_fwd_ref,
+)
 
 TOL = 1e-5  # fp32 op vs float64 dense
 
@@ -66,7 +70,7 @@ def _run_op(q, kv, idx, sk, grad, d_v, scale, backend=None, grads=(True, True, T
     tq = paddle.to_tensor(q, stop_gradient=not grads[0])
     tkv = paddle.to_tensor(kv, stop_gradient=not grads[1])
     tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=not grads[2])
-    out = sparse_mqa_attention(tq, tkv, paddle.to_tensor(idx), scale, tsk, backend, d_v=d_v)
+    out = mqa_latent_sparse_attention(tq, tkv, paddle.to_tensor(idx), scale, tsk, backend, d_v=d_v)
     (out * paddle.to_tensor(grad)).sum().backward()
     return out, tq, tkv, tsk
 
@@ -101,7 +105,7 @@ def test_equals_reference_exactly(rng):
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     out, tq, tkv, tsk = _run_op(q, kv, idx, sk, grad, d_v, 0.1, backend="reference")
     t = paddle.to_tensor
-    ref_out, ref_lse = sparse_mqa_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)
+    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)
     dq, dkv, dsink = mqa_latent_sparse_bwd_ref(t(q), t(kv), ref_out, t(grad), ref_lse, t(sk), t(idx),
                                                0.1)
     np.testing.assert_array_equal(out.numpy(), ref_out.numpy())
@@ -121,6 +125,16 @@ def test_partial_requires_grad(rng, grads):
             assert np.isfinite(t.grad.numpy()).all() and np.abs(t.grad.numpy()).max() > 0
 
 
+def test_former_names_are_the_op():
+    """``sparse_mqa_attention`` and ``SparseMQAAttentionFunction`` stay for one release."""
+    from paddlefleet.tilelang_ops import attn
+    from paddlefleet.tilelang_ops.attn import op
+
+    assert op.sparse_mqa_attention is mqa_latent_sparse_attention
+    assert attn.sparse_mqa_attention is attn.mqa_latent_sparse_attention
+    assert op.SparseMQAAttentionFunction is MQALatentSparseAttentionFunction
+
+
 def test_backend_choice():
     assert resolve_backward_backend(None, "cpu") == "reference"
     assert resolve_backward_backend(None, "cuda") == "tilelang"
@@ -135,26 +149,26 @@ def test_errors_raised_at_call(rng):
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     t = paddle.to_tensor
     with pytest.raises(ValueError, match="backward_backend"):
-        sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(sk), "flash", d_v=d_v)
+        mqa_latent_sparse_attention(t(q), t(kv), t(idx), 0.1, t(sk), "flash", d_v=d_v)
     with pytest.raises(ValueError, match="tilelang"):
-        sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(sk), "tilelang", d_v=d_v)
+        mqa_latent_sparse_attention(t(q), t(kv), t(idx), 0.1, t(sk), "tilelang", d_v=d_v)
     with pytest.raises(TypeError, match="token_indices"):
-        sparse_mqa_attention(t(q), t(kv), t(idx.astype(np.float32)), 0.1, t(sk), d_v=d_v)
+        mqa_latent_sparse_attention(t(q), t(kv), t(idx.astype(np.float32)), 0.1, t(sk), d_v=d_v)
     bad = idx.copy()
     bad[0, 0, 0] = kv.shape[1]
     with pytest.raises(ValueError, match="token_indices"):
-        sparse_mqa_attention(t(q), t(kv), t(bad), 0.1, t(sk), d_v=d_v)
+        mqa_latent_sparse_attention(t(q), t(kv), t(bad), 0.1, t(sk), d_v=d_v)
     with pytest.raises(ValueError, match="sm_scale"):
-        sparse_mqa_attention(t(q), t(kv), t(idx), float("nan"), t(sk), d_v=d_v)
+        mqa_latent_sparse_attention(t(q), t(kv), t(idx), float("nan"), t(sk), d_v=d_v)
     # The CPU path used to accept these while the CUDA path rejected them: one rule for both.
     for scale in (-1.0, 0.0, 1e39, 1e-46):
         with pytest.raises(ValueError, match="^sm_scale: expected a finite float > 0"):
-            sparse_mqa_attention(t(q), t(kv), t(idx), scale, t(sk), d_v=d_v)
+            mqa_latent_sparse_attention(t(q), t(kv), t(idx), scale, t(sk), d_v=d_v)
     for value in (np.nan, np.inf):
         bad_sink = sk.copy()
         bad_sink[5] = value
         with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf.*\[5\]"):
-            sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(bad_sink), d_v=d_v)
+            mqa_latent_sparse_attention(t(q), t(kv), t(idx), 0.1, t(bad_sink), d_v=d_v)
 
 
 def test_non_paddle_inputs_name_the_argument_and_the_type(rng):
@@ -163,16 +177,16 @@ def test_non_paddle_inputs_name_the_argument_and_the_type(rng):
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     t = paddle.to_tensor
     with pytest.raises(TypeError, match=r"^query: expected a paddle.Tensor, got numpy.ndarray$"):
-        sparse_mqa_attention(q, t(kv), t(idx), 0.1, t(sk), d_v=d_v)
+        mqa_latent_sparse_attention(q, t(kv), t(idx), 0.1, t(sk), d_v=d_v)
     with pytest.raises(TypeError, match=r"^kv: expected a paddle.Tensor or torch.Tensor, got "
                                         r"numpy.ndarray$"):
-        sparse_mqa_attention(t(q), kv, t(idx), 0.1, t(sk), d_v=d_v)
+        mqa_latent_sparse_attention(t(q), kv, t(idx), 0.1, t(sk), d_v=d_v)
     with pytest.raises(TypeError, match=r"^attn_sink: .*got list$"):
-        sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, sk.tolist(), d_v=d_v)
+        mqa_latent_sparse_attention(t(q), t(kv), t(idx), 0.1, sk.tolist(), d_v=d_v)
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"^query: expected a paddle.Tensor, got torch.Tensor "
                                         r"\(this is Paddle's autograd op"):
-        sparse_mqa_attention(torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(idx),
+        mqa_latent_sparse_attention(torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(idx),
                              0.1, torch.from_numpy(sk), d_v=d_v)
 
 
@@ -213,7 +227,7 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     calls = {}
 
     def fake_fwd(provider, dims, query, kv_, token_indices, sm_scale, attn_sink, block_h):
-        out, lse = sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
+        out, lse = mqa_latent_sparse_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
         calls["fwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
                             provider=provider, dims=dims, block_h=block_h)
         return out, lse
@@ -232,7 +246,7 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     tsk = paddle.to_tensor(sk, stop_gradient=False)
     tidx = paddle.to_tensor(idx)
     dims = check_tensors(tq, tkv, tidx, attn_sink=tsk, d_v=d_v)
-    out = SparseMQAAttentionFunction.apply(tq, tkv, tidx, tsk, 0.1, dims, "tilelang", "cuda")
+    out = MQALatentSparseAttentionFunction.apply(tq, tkv, tidx, tsk, 0.1, dims, "tilelang", "cuda")
     (out * paddle.to_tensor(grad)).sum().backward()
 
     fwd, bwd = calls["fwd"], calls["bwd"]
@@ -272,7 +286,7 @@ def test_bf16_on_cpu_keeps_dtypes(rng):
     kv16 = paddle.to_tensor(kv).astype("bfloat16")
     q16.stop_gradient = kv16.stop_gradient = False
     tsk = paddle.to_tensor(sk, stop_gradient=False)
-    out = sparse_mqa_attention(q16, kv16, paddle.to_tensor(idx), 0.1, tsk, d_v=d_v)
+    out = mqa_latent_sparse_attention(q16, kv16, paddle.to_tensor(idx), 0.1, tsk, d_v=d_v)
     (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert out.dtype == q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
     assert tsk.grad.dtype == paddle.float32
@@ -312,7 +326,7 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=False)
     tidx = paddle.to_tensor(idx)
     dims = check_tensors(q16, kv16, tidx, attn_sink=tsk, d_v=512)
-    out = SparseMQAAttentionFunction.apply(q16, kv16, tidx, tsk, scale, dims, "tilelang", "cuda")
+    out = MQALatentSparseAttentionFunction.apply(q16, kv16, tidx, tsk, scale, dims, "tilelang", "cuda")
     assert out.dtype == paddle.bfloat16
     (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
@@ -355,7 +369,7 @@ def test_packed_equals_documents_alone_float64(rng, sink):
     tq = paddle.to_tensor(q, stop_gradient=False)
     tkv = paddle.to_tensor(kv, stop_gradient=False)
     tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=False)
-    out = sparse_mqa_attention(tq, tkv, paddle.to_tensor(idx), scale, tsk, d_v=d_v,
+    out = mqa_latent_sparse_attention(tq, tkv, paddle.to_tensor(idx), scale, tsk, d_v=d_v,
                                cu_seqlens=tcu)
     (out * paddle.to_tensor(grad)).sum().backward()
     assert out.dtype == paddle.float64
@@ -377,7 +391,7 @@ def test_packed_equals_documents_alone_float64(rng, sink):
     if sk is not None:  # d_sink is rounded to the sink's fp32, per call
         assert rel_l2(tsk.grad, dsink) <= 1e-6
     # and cu_seqlens changes nothing but the checks: the same call without it is identical
-    plain = sparse_mqa_attention(paddle.to_tensor(q), paddle.to_tensor(kv), paddle.to_tensor(idx),
+    plain = mqa_latent_sparse_attention(paddle.to_tensor(q), paddle.to_tensor(kv), paddle.to_tensor(idx),
                                  scale, None if sk is None else paddle.to_tensor(sk), d_v=d_v)
     np.testing.assert_array_equal(plain.numpy(), out.numpy())
 
@@ -387,7 +401,7 @@ def test_packed_errors(rng):
     t = paddle.to_tensor
 
     def call(idx_=idx, cu_=cu, q_=q, kv_=kv):
-        return sparse_mqa_attention(t(q_), t(kv_), t(idx_), 0.1, t(sk), d_v=d_v, cu_seqlens=cu_)
+        return mqa_latent_sparse_attention(t(q_), t(kv_), t(idx_), 0.1, t(sk), d_v=d_v, cu_seqlens=cu_)
 
     call(cu_=t(cu))  # numpy and Paddle cu_seqlens both work
     with pytest.raises(TypeError, match="^cu_seqlens: expected dtype int32, got int64"):
@@ -441,7 +455,7 @@ def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
 
     def fake_fwd(provider, dims, query, kv_, token_indices, sm_scale, attn_sink, block_h):
         launched.append("fwd")
-        return sparse_mqa_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
+        return mqa_latent_sparse_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
 
     _fake_interface(monkeypatch, _check_inputs=fake_check, _fwd=fake_fwd)
     real_ops_for = op_mod.ops_for
@@ -457,11 +471,11 @@ def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
     bad = idx.copy()
     bad[0, 7, 0] = 2  # row 7 is in document 1, rows [5, 16)
     with pytest.raises(ValueError, match=r"^token_indices: row 7 \(document 1"):
-        sparse_mqa_attention(t(q), t(kv), t(bad), 0.1, t(sk), "reference", d_v=d_v,
+        mqa_latent_sparse_attention(t(q), t(kv), t(bad), 0.1, t(sk), "reference", d_v=d_v,
                              cu_seqlens=cu)
     assert launched == ["check"]
-    out = sparse_mqa_attention(t(q), t(kv), t(idx), 0.1, t(sk), "reference", d_v=d_v,
+    out = mqa_latent_sparse_attention(t(q), t(kv), t(idx), 0.1, t(sk), "reference", d_v=d_v,
                                cu_seqlens=cu)
     assert launched == ["check", "check", "fwd"]
-    ref, _ = sparse_mqa_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)  # as the stand-in
+    ref, _ = mqa_latent_sparse_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)  # as the stand-in
     np.testing.assert_array_equal(out.numpy(), ref.numpy())

@@ -52,3 +52,12 @@ def test_names_load_on_first_use():
     from paddlefleet.tilelang_ops.attn import load_config  # from-import goes through the hook
 
     assert load_config.__module__ == "paddlefleet.tilelang_ops.attn.config"
+
+
+def test_former_names_still_load():
+    """Deprecated until the next release: the op family's former names are the new objects."""
+    from paddlefleet.tilelang_ops import attn
+
+    assert attn.MLAAttentionConfig is attn.MQALatentAttentionConfig
+    assert attn.sparse_mqa_fwd_ref is attn.mqa_latent_sparse_fwd_ref
+    assert callable(attn.sparse_mqa_bwd_ref) and callable(attn.validate_inputs)

@@ -27,7 +27,6 @@ from paddlefleet.tilelang_ops.attn.reference import (
     mqa_latent_sparse_bwd_ref,
     mqa_latent_sparse_fwd_ref,
     sparse_mqa_bwd_ref,
-    sparse_mqa_fwd_ref,
 )
 
 DK, DV, S, S_KV, L = 24, 16, 5, 9, 6
@@ -80,7 +79,7 @@ def dense_numpy_fwd(q, kv, idx, sink, scale, d_v=DV):
 def run_ref(fw, c, dtype="float64"):
     args = (fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]))
     sink = None if c["sink"] is None else fw.t(c["sink"])
-    out, lse = sparse_mqa_fwd_ref(*args, c["scale"], attn_sink=sink, d_v=DV, dtype=dtype)
+    out, lse = mqa_latent_sparse_fwd_ref(*args, c["scale"], attn_sink=sink, d_v=DV, dtype=dtype)
     dq, dkv, dsink = mqa_latent_sparse_bwd_ref(
         args[0], args[1], out, fw.t(c["grad_out"]), lse, sink, args[2], c["scale"], dtype=dtype
     )
@@ -97,7 +96,7 @@ CASE_IDS = [f"B{B}-H{H}-{'sink' if s else 'nosink'}" for B, H, s in CASES]
 @pytest.mark.parametrize("B,H,with_sink", CASES, ids=CASE_IDS)
 def test_forward_matches_dense_numpy_fp64(fw, rng, B, H, with_sink):
     c = make_case(rng, B, H, with_sink)
-    out, lse = sparse_mqa_fwd_ref(
+    out, lse = mqa_latent_sparse_fwd_ref(
         fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"],
         attn_sink=None if c["sink"] is None else fw.t(c["sink"]), d_v=DV, dtype="float64",
     )
@@ -113,7 +112,7 @@ def test_forward_matches_dense_numpy_fp64(fw, rng, B, H, with_sink):
 
 def test_forward_fp32_default(fw, rng):
     c = make_case(rng, 2, 3, True, dtype=np.float32)
-    out, lse = sparse_mqa_fwd_ref(
+    out, lse = mqa_latent_sparse_fwd_ref(
         fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV
     )
     assert fw.np(out).dtype == np.float32 and fw.np(lse).dtype == np.float32
@@ -130,7 +129,7 @@ def test_forward_large_scores_stay_finite(fw, rng):
     c = make_case(rng, 1, 3, True, dtype=np.float32)
     c["q"] *= 120.0
     c["sink"] = (c["sink"] * 50.0).astype(np.float32)
-    out, lse = sparse_mqa_fwd_ref(
+    out, lse = mqa_latent_sparse_fwd_ref(
         fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV
     )
     assert np.abs(fw.np(lse)[np.isfinite(fw.np(lse))]).max() > 88  # exp would overflow fp32
@@ -162,7 +161,7 @@ def test_d_v_equal_dk_and_small(fw, rng):
     """d_v is a free parameter: the value is kv[..., :d_v], including d_v = Dk."""
     c = make_case(rng, 1, 3, True)
     for d_v in (1, DK):
-        out, _ = sparse_mqa_fwd_ref(
+        out, _ = mqa_latent_sparse_fwd_ref(
             fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]),
             d_v=d_v, dtype="float64",
         )
@@ -177,11 +176,11 @@ def test_bf16_inputs_on_paddle_cpu(paddle_fw, rng):
     c = make_case(rng, 2, 3, True, dtype=np.float32)
     q16, kv16, do16 = (fw.t(c[k]).astype("bfloat16") for k in ("q", "kv", "grad_out"))
     sink, idx = fw.t(c["sink"]), fw.t(c["idx"])
-    got = sparse_mqa_fwd_ref(q16, kv16, idx, c["scale"], sink, d_v=DV) + mqa_latent_sparse_bwd_ref(
+    got = mqa_latent_sparse_fwd_ref(q16, kv16, idx, c["scale"], sink, d_v=DV) + mqa_latent_sparse_bwd_ref(
         q16, kv16, None, do16, None, sink, idx, c["scale"]
     )
     q32, kv32, do32 = (t.astype("float32") for t in (q16, kv16, do16))
-    want = sparse_mqa_fwd_ref(q32, kv32, idx, c["scale"], sink, d_v=DV) + mqa_latent_sparse_bwd_ref(
+    want = mqa_latent_sparse_fwd_ref(q32, kv32, idx, c["scale"], sink, d_v=DV) + mqa_latent_sparse_bwd_ref(
         q32, kv32, None, do32, None, sink, idx, c["scale"]
     )
     for g, w in zip(got, want):
@@ -237,7 +236,7 @@ def test_backward_matches_paddle_autograd(paddle_fw, rng, B, H, with_sink):
 
 
 def _loss(fw, c, q, kv, sink):
-    out, _ = sparse_mqa_fwd_ref(
+    out, _ = mqa_latent_sparse_fwd_ref(
         fw.t(q), fw.t(kv), fw.t(c["idx"]), c["scale"],
         attn_sink=None if sink is None else fw.t(sink), d_v=DV, dtype="float64",
     )
@@ -348,16 +347,16 @@ def test_bad_arguments(paddle_fw, rng):
     c = make_case(rng, 1, 3, True)
     q, kv, idx, do = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out"))
     with pytest.raises(ValueError, match="dtype: expected 'float32' or 'float64'"):
-        sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV, dtype="bfloat16")
+        mqa_latent_sparse_fwd_ref(q, kv, idx, 0.1, d_v=DV, dtype="bfloat16")
     with pytest.raises(TypeError, match="dtype"):
-        sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV, dtype=np.float64)
+        mqa_latent_sparse_fwd_ref(q, kv, idx, 0.1, d_v=DV, dtype=np.float64)
     with pytest.raises(TypeError, match="sm_scale"):
-        sparse_mqa_fwd_ref(q, kv, idx, fw.t(np.array(0.1)), d_v=DV)
+        mqa_latent_sparse_fwd_ref(q, kv, idx, fw.t(np.array(0.1)), d_v=DV)
     with pytest.raises(ValueError, match="sm_scale"):
-        sparse_mqa_fwd_ref(q, kv, idx, float("nan"), d_v=DV)
+        mqa_latent_sparse_fwd_ref(q, kv, idx, float("nan"), d_v=DV)
     with pytest.raises(TypeError, match="query"):
-        sparse_mqa_fwd_ref(c["q"], kv, idx, 0.1, d_v=DV)
-    out, lse = sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DV)
+        mqa_latent_sparse_fwd_ref(c["q"], kv, idx, 0.1, d_v=DV)
+    out, lse = mqa_latent_sparse_fwd_ref(q, kv, idx, 0.1, d_v=DV)
     with pytest.raises(ValueError) as err:  # Dv is out's last dim: grad_out is the odd one
         mqa_latent_sparse_bwd_ref(q, kv, out, do[..., :-1], lse, None, idx, 0.1)
     assert str(err.value) == ("grad_out: expected shape [B, S, H, Dv] = [1, 5, 3, 16] (Dv from "
@@ -369,9 +368,9 @@ def test_bad_arguments(paddle_fw, rng):
     with pytest.raises(ValueError, match="token_indices"):
         bad = c["idx"].copy()
         bad[0, 0, 0] = S_KV
-        sparse_mqa_fwd_ref(q, kv, fw.t(bad), 0.1, d_v=DV)
+        mqa_latent_sparse_fwd_ref(q, kv, fw.t(bad), 0.1, d_v=DV)
     with pytest.raises(ValueError, match="d_v"):
-        sparse_mqa_fwd_ref(q, kv, idx, 0.1, d_v=DK + 1)
+        mqa_latent_sparse_fwd_ref(q, kv, idx, 0.1, d_v=DK + 1)
 
 
 # --- the LSE bridge with the forward ----------------------------------------------------------
@@ -380,7 +379,7 @@ def test_bad_arguments(paddle_fw, rng):
 def test_log2_lse_rebuilds_the_probabilities(fw, rng):
     """The kernels' form: P_l = exp2(s_l log2(e) - lse2) and P_sink sum to 1 and rebuild out."""
     c = make_case(rng, 1, 3, True)
-    out, lse = sparse_mqa_fwd_ref(
+    out, lse = mqa_latent_sparse_fwd_ref(
         fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV,
         dtype="float64",
     )
@@ -400,7 +399,7 @@ def test_non_finite_sink_rejected(fw, rng, value):
     c["sink"][1] = value
     args = (fw.t(c["q"]), fw.t(c["kv"]))
     with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf.*heads \[1\]"):
-        sparse_mqa_fwd_ref(*args, fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV)
+        mqa_latent_sparse_fwd_ref(*args, fw.t(c["idx"]), c["scale"], fw.t(c["sink"]), d_v=DV)
     with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf"):
         mqa_latent_sparse_bwd_ref(*args, None, fw.t(c["grad_out"]), None, fw.t(c["sink"]),
                                   fw.t(c["idx"]), c["scale"])
@@ -438,7 +437,7 @@ def test_sm_scale_rejected(fw, rng, scale):
     """Not finite and > 0 in float32: rejected by the reference as by the kernels."""
     c = make_case(rng, 1, 2, False)
     with pytest.raises(ValueError, match="^sm_scale: expected a finite float > 0"):
-        sparse_mqa_fwd_ref(fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), scale, d_v=DV)
+        mqa_latent_sparse_fwd_ref(fw.t(c["q"]), fw.t(c["kv"]), fw.t(c["idx"]), scale, d_v=DV)
 
 
 # --- the reference takes the kernels' arguments -------------------------------------------------
@@ -457,7 +456,7 @@ def test_reference_arguments_are_the_kernels():
     assert list(inspect.signature(mqa_latent_sparse_bwd_ref).parameters)[:8] == kernel_bwd
     kernel_fwd = list(inspect.signature(interface.mqa_latent_sparse_fwd).parameters)[:6]
     assert list(inspect.signature(mqa_latent_sparse_fwd_ref).parameters)[:6] == kernel_fwd
-    assert mqa_latent_sparse_fwd_ref is sparse_mqa_fwd_ref
+    assert ref_mod.sparse_mqa_fwd_ref is mqa_latent_sparse_fwd_ref  # the former name
 
 
 def test_reference_backward_in_kernel_order_matches_autograd(paddle_fw, rng):
@@ -465,7 +464,7 @@ def test_reference_backward_in_kernel_order_matches_autograd(paddle_fw, rng):
     fw = paddle_fw
     c = make_case(rng, 2, 3, True)
     q, kv, idx, do, sink = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out", "sink"))
-    out, lse = sparse_mqa_fwd_ref(q, kv, idx, c["scale"], sink, d_v=DV, dtype="float64")
+    out, lse = mqa_latent_sparse_fwd_ref(q, kv, idx, c["scale"], sink, d_v=DV, dtype="float64")
     got = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, c["scale"], dtype="float64")
     bare = mqa_latent_sparse_bwd_ref(q, kv, None, do, None, sink, idx, c["scale"],
                                      dtype="float64")

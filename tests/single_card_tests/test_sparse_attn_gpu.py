@@ -41,7 +41,7 @@ if cuda_available():
     )
     from paddlefleet.tilelang_ops.attn.reference import (
         mqa_latent_sparse_bwd_ref,
-        sparse_mqa_fwd_ref,
+        mqa_latent_sparse_fwd_ref,
     )
 
 TOL = 1e-2
@@ -187,7 +187,7 @@ def test_against_reference(case):
 
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, block_h=bh,
                                                provider=prov)
-    ref_out, ref_lse = sparse_mqa_fwd_ref(q, kv, idx, SM_SCALE, sink)
+    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
     e_out, e_lse = rel_l2(out.float(), ref_out), rel_l2(lse, ref_lse)
     assert out.shape == (case["B"], case["S"], H, DV) and out.dtype == torch.bfloat16
     assert lse.shape == (case["B"], case["S"], H) and lse.dtype == torch.float32
@@ -284,7 +284,7 @@ def test_packed_documents_against_reference(case):
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                   provider=prov)
-    ref_out, ref_lse = sparse_mqa_fwd_ref(q, kv, idx, SM_SCALE, sink)
+    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
     ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
     for t in (out, lse, dq, dkv, ds):
         assert not torch.isnan(t).any()
@@ -424,7 +424,7 @@ def test_new_shapes_do_not_recompile():
                  dict(B=2, S=40, S_kv=300, H=64, L=200, sink=True)):
         q, kv, do, sink, idx = _inputs(case, 5)
         out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
-        ref_out, _ = sparse_mqa_fwd_ref(q, kv, idx, SM_SCALE, sink)
+        ref_out, _ = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
         assert rel_l2(out.float(), ref_out) < TOL
         dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                      provider=prov)

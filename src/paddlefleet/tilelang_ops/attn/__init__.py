@@ -1,21 +1,22 @@
 """Sparse MQA-latent attention (DeepSeek-V3.2 DSA, absorbed MLA) with an attention sink.
 
+One name stem, ``mqa_latent_sparse``, for the op family: kernels, reference and autograd op.
+
 TileLang kernels (CUDA, Hopper sm_90a; Paddle or PyTorch tensors), module ``interface``:
     mqa_latent_sparse_fwd       forward: (out, lse)
     mqa_latent_sparse_bwd       backward: (dq, dkv, d_sink), deterministic by default
 
 fp32/fp64 reference, any device (``reference``); the exact definition of the math:
-    mqa_latent_sparse_fwd_ref   forward, the kernel's arguments (also ``sparse_mqa_fwd_ref``)
+    mqa_latent_sparse_fwd_ref   forward, the kernel's arguments
     mqa_latent_sparse_bwd_ref   backward, the kernel's arguments
-    sparse_mqa_bwd_ref          deprecated: the backward in its old argument order
 
 The two LSE forms, any device (``lse``):
     lse_natural_to_log2_sink    natural sink-exclusive LSE -> base-2 sink-inclusive
     lse_log2_sink_to_natural    and back
 
 Paddle training (``op``, ``config``, ``layer``, ``tp``):
-    sparse_mqa_attention        autograd op (paddle.autograd.PyLayer), cu_seqlens: packed docs
-    MLAAttentionConfig          sizes of one attention block, validated when built
+    mqa_latent_sparse_attention autograd op (paddle.autograd.PyLayer), cu_seqlens: packed docs
+    MQALatentAttentionConfig    sizes of one attention block, validated when built
     get_preset, load_config     presets (deepseek_v32, deepseek_v32_small) or a JSON file
     MQALatentAttention          tensor-parallel attention layer (paddle.nn.Layer)
     init_full_weights           the unsharded weights a layer built with a seed holds
@@ -29,8 +30,14 @@ Inputs and tests (``checks``, ``indices``):
     varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
     cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
 
-Deprecated, kept until the next release:
+Former names, deprecated until the next release:
+    sparse_mqa_attention        = mqa_latent_sparse_attention
+    MLAAttentionConfig          = MQALatentAttentionConfig
+    sparse_mqa_fwd_ref          = mqa_latent_sparse_fwd_ref
+    sparse_mqa_bwd_ref          the reference backward in its old argument order (warns)
     validate_inputs             check_tensors + check_values in one call (warns)
+    (also ``op.SparseMQAAttentionFunction`` = ``op.MQALatentSparseAttentionFunction``, and the
+    LSE bridge imported from ``reference``)
 
 Every name is loaded on first use, so importing this package pulls in neither Paddle, PyTorch
 nor TileLang; ``help(name)`` documents each one (shapes, dtypes, errors).  The math is
@@ -48,8 +55,6 @@ _EXPORTS = {
     # fp32/fp64 reference (any device)
     "mqa_latent_sparse_fwd_ref": "reference",
     "mqa_latent_sparse_bwd_ref": "reference",
-    "sparse_mqa_fwd_ref": "reference",
-    "sparse_mqa_bwd_ref": "reference",
     # the two LSE forms (any device)
     "lse_natural_to_log2_sink": "lse",
     "lse_log2_sink_to_natural": "lse",
@@ -57,20 +62,25 @@ _EXPORTS = {
     "check_tensors": "checks",
     "check_values": "checks",
     "Dims": "checks",
-    "validate_inputs": "checks",
     # top-k indices for tests and demos (packed documents too)
     "causal_topk_indices": "indices",
     "varlen_causal_topk_indices": "indices",
     "cu_seqlens_from_lengths": "indices",
     # Paddle autograd op, model config and tensor-parallel layer
-    "sparse_mqa_attention": "op",
-    "MLAAttentionConfig": "config",
+    "mqa_latent_sparse_attention": "op",
+    "MQALatentAttentionConfig": "config",
     "get_preset": "config",
     "load_config": "config",
     "MQALatentAttention": "layer",
     "init_full_weights": "layer",
     "copy_to_tensor_parallel": "tp",
     "reduce_from_tensor_parallel": "tp",
+    # former names, deprecated until the next release
+    "sparse_mqa_attention": "op",
+    "MLAAttentionConfig": "config",
+    "sparse_mqa_fwd_ref": "reference",
+    "sparse_mqa_bwd_ref": "reference",
+    "validate_inputs": "checks",
 }
 
 __all__ = sorted(_EXPORTS)

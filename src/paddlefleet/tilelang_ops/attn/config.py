@@ -1,17 +1,18 @@
 """Model configuration for DeepSeek-V3.2-style MLA/DSA attention (:class:`MQALatentAttention`).
 
-:class:`MLAAttentionConfig` holds the sizes of one attention block in the form the DeepSeek-V3
-/ V3.2 model configs publish them (``hidden_size``, ``num_attention_heads``, ``q_lora_rank``,
-``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``index_topk``)
-plus what this package adds (attention sink, backward backend, tensor-parallel degree).
+:class:`MQALatentAttentionConfig` (formerly ``MLAAttentionConfig``, still an alias) holds the
+sizes of one attention block in the form the DeepSeek-V3 / V3.2 model configs publish them
+(``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``index_topk``) plus what this
+package adds (attention sink, backward backend, tensor-parallel degree).
 
 What the sparse kernel sees (absorbed MLA, MQA form; see docs/conventions.md):
     Dk = kv_lora_rank + qk_rope_head_dim   (576 for DeepSeek-V3.2: 512 latent + 64 rope)
     Dv = kv_lora_rank                      (512 for DeepSeek-V3.2)
 The per-head up-projections W_UK (qk_nope_head_dim -> kv_lora_rank) and W_UV (kv_lora_rank ->
 v_head_dim) are absorbed into the query and applied after the attention respectively, so every
-head attends over the same latent kv row.  :attr:`MLAAttentionConfig.kernel_dk` and
-:attr:`MLAAttentionConfig.kernel_dv` give these sizes.
+head attends over the same latent kv row.  :attr:`MQALatentAttentionConfig.kernel_dk` and
+:attr:`MQALatentAttentionConfig.kernel_dv` give these sizes.
 
 The config is validated when it is built: a bad field raises ``ValueError`` naming the field.
 """
@@ -26,9 +27,10 @@ from typing import Any, Mapping
 
 from .checks import check_sm_scale
 
-__all__ = ["MLAAttentionConfig", "BACKWARD_BACKENDS", "PRESETS", "get_preset", "load_config"]
+__all__ = ["MQALatentAttentionConfig", "MLAAttentionConfig", "BACKWARD_BACKENDS", "PRESETS",
+           "get_preset", "load_config"]
 
-#: Backward implementations :func:`~paddlefleet.tilelang_ops.attn.op.sparse_mqa_attention`
+#: Backward implementations :func:`~paddlefleet.tilelang_ops.attn.op.mqa_latent_sparse_attention`
 #: accepts; ``None`` picks ``"tilelang"`` on CUDA and ``"reference"`` on CPU.
 BACKWARD_BACKENDS = ("tilelang", "reference")
 
@@ -46,7 +48,7 @@ _POSITIVE_INT_FIELDS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class MLAAttentionConfig:
+class MQALatentAttentionConfig:
     """Sizes and options of one DeepSeek-V3.2-style sparse MLA attention block.
 
     Attributes:
@@ -91,22 +93,24 @@ class MLAAttentionConfig:
         for name in _POSITIVE_INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MLAAttentionConfig.{name} must be a positive int, got {value!r}")
+                raise ValueError(
+                    f"MQALatentAttentionConfig.{name} must be a positive int, got {value!r}"
+                )
         if self.qk_rope_head_dim % 2:
             raise ValueError(
-                "MLAAttentionConfig.qk_rope_head_dim must be even (rotary pairs), got "
+                "MQALatentAttentionConfig.qk_rope_head_dim must be even (rotary pairs), got "
                 f"{self.qk_rope_head_dim}"
             )
         if self.num_attention_heads % self.tensor_parallel_degree:
             raise ValueError(
-                "MLAAttentionConfig.num_attention_heads must be divisible by "
+                "MQALatentAttentionConfig.num_attention_heads must be divisible by "
                 f"tensor_parallel_degree, got {self.num_attention_heads} heads and "
                 f"tensor_parallel_degree={self.tensor_parallel_degree}"
             )
         if self.backward_backend is not None and self.backward_backend not in BACKWARD_BACKENDS:
             raise ValueError(
-                f"MLAAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} or None, "
-                f"got {self.backward_backend!r}"
+                f"MQALatentAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} "
+                f"or None, got {self.backward_backend!r}"
             )
         if self.softmax_scale is not None:
             # The op's own rule (finite and > 0, also in float32), checked here already so
@@ -115,8 +119,8 @@ class MLAAttentionConfig:
                 check_sm_scale(self.softmax_scale)
             except (TypeError, ValueError):
                 raise ValueError(
-                    "MLAAttentionConfig.softmax_scale must be None or a finite number > 0 (also "
-                    f"finite and > 0 in float32), got {self.softmax_scale!r}"
+                    "MQALatentAttentionConfig.softmax_scale must be None or a finite number > 0 "
+                    f"(also finite and > 0 in float32), got {self.softmax_scale!r}"
                 ) from None
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             value = getattr(self, name)
@@ -127,11 +131,12 @@ class MLAAttentionConfig:
                 or value <= 0
             ):
                 raise ValueError(
-                    f"MLAAttentionConfig.{name} must be a finite positive number, got {value!r}"
+                    f"MQALatentAttentionConfig.{name} must be a finite positive number, got "
+                    f"{value!r}"
                 )
         if not isinstance(self.use_attn_sink, bool):
             raise ValueError(
-                f"MLAAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
+                f"MQALatentAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
             )
 
     # --- derived sizes -----------------------------------------------------------------------
@@ -161,16 +166,19 @@ class MLAAttentionConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MLAAttentionConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> "MQALatentAttentionConfig":
         """Build from a mapping; unknown keys raise ``ValueError`` naming them (a typo in a
         JSON file should not be silently ignored)."""
         if not isinstance(data, Mapping):
-            raise TypeError(f"MLAAttentionConfig.from_dict expects a mapping, got {type(data).__name__}")
+            raise TypeError(
+                f"MQALatentAttentionConfig.from_dict expects a mapping, got {type(data).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"MLAAttentionConfig: unknown field(s) {unknown}; known fields: {sorted(known)}"
+                f"MQALatentAttentionConfig: unknown field(s) {unknown}; known fields: "
+                f"{sorted(known)}"
             )
         missing = sorted(
             f.name
@@ -178,11 +186,11 @@ class MLAAttentionConfig:
             if f.default is dataclasses.MISSING and f.name not in data
         )
         if missing:
-            raise ValueError(f"MLAAttentionConfig: missing required field(s) {missing}")
+            raise ValueError(f"MQALatentAttentionConfig: missing required field(s) {missing}")
         return cls(**dict(data))
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike, **overrides) -> "MLAAttentionConfig":
+    def from_json_file(cls, path: str | os.PathLike, **overrides) -> "MQALatentAttentionConfig":
         """Build from a JSON object file, fields overridable.
 
         Raises:
@@ -197,10 +205,14 @@ class MLAAttentionConfig:
             json.dump(self.to_dict(), f, indent=2)
             f.write("\n")
 
-    def replace(self, **changes) -> "MLAAttentionConfig":
+    def replace(self, **changes) -> "MQALatentAttentionConfig":
         """A copy with some fields changed (validated again; an unknown field is a
         ``ValueError`` naming it, as in :meth:`from_dict`)."""
         return type(self).from_dict({**self.to_dict(), **changes})
+
+
+#: Deprecated (until the next release): the config's former name.
+MLAAttentionConfig = MQALatentAttentionConfig
 
 
 def _read_json_object(path: str | os.PathLike) -> dict:
@@ -252,14 +264,14 @@ _DEEPSEEK_V32_SMALL = dict(
 PRESETS: dict = {"deepseek_v32": _DEEPSEEK_V32, "deepseek_v32_small": _DEEPSEEK_V32_SMALL}
 
 
-def get_preset(name: str, **overrides) -> MLAAttentionConfig:
+def get_preset(name: str, **overrides) -> MQALatentAttentionConfig:
     """A preset by name (``"deepseek_v32"`` or ``"deepseek_v32_small"``), fields overridable."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return MLAAttentionConfig.from_dict({**PRESETS[name], **overrides})
+    return MQALatentAttentionConfig.from_dict({**PRESETS[name], **overrides})
 
 
-def load_config(name_or_path: str | os.PathLike, **overrides) -> MLAAttentionConfig:
+def load_config(name_or_path: str | os.PathLike, **overrides) -> MQALatentAttentionConfig:
     """A preset name or a path to a JSON file (e.g. ``configs/deepseek_v32.json``), fields
     overridable.
 
@@ -272,7 +284,7 @@ def load_config(name_or_path: str | os.PathLike, **overrides) -> MLAAttentionCon
     if s in PRESETS:
         return get_preset(s, **overrides)
     if os.path.isfile(s):
-        return MLAAttentionConfig.from_json_file(s, **overrides)
+        return MQALatentAttentionConfig.from_json_file(s, **overrides)
     raise ValueError(
         f"config {s!r} is neither a preset ({sorted(PRESETS)}) nor an existing JSON file"
     )

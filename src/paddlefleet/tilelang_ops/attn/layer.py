@@ -12,7 +12,7 @@ Data flow for ``x: [B, S, hidden]`` with ``h = heads / TP`` heads on this rank::
     q_lat = q_nope @ W_UK[h]                      [B, S, h, kv_lora]   W_UK absorbed
     c_kv, k_pe = x @ wkv_a                        [B, S, kv_lora], [B, S, rope]  replicated
     kv   = copy_to_tp([RMSNorm(c_kv), rope(k_pe)])  [B, S, Dk]         shared latent (MQA)
-    o_lat = sparse_mqa_attention([q_lat, rope(q_pe)], kv, token_indices, sink[h])
+    o_lat = mqa_latent_sparse_attention([q_lat, rope(q_pe)], kv, token_indices, sink[h])
                                                   [B, S, h, kv_lora]   (Dk = kv_lora + rope)
     o    = o_lat @ W_UV[h]                        [B, S, h, v_head]    W_UV applied after
     y    = reduce_from_tp(o.reshape(B, S, h*v_head) @ wo[h rows])  [B, S, hidden] row-parallel
@@ -53,8 +53,8 @@ import paddle
 
 from .adapter import type_name
 from .checks import check_cu_seqlens
-from .config import MLAAttentionConfig
-from .op import sparse_mqa_attention
+from .config import MQALatentAttentionConfig
+from .op import mqa_latent_sparse_attention
 from .tp import (
     copy_to_tensor_parallel,
     default_tensor_parallel_group,
@@ -71,7 +71,7 @@ SHARD_AXIS = {"wq_b": 1, "w_uk": 0, "w_uv": 0, "wo": 0, "attn_sink": 0}
 REPLICATED = ("wq_a", "q_norm_weight", "wkv_a", "kv_norm_weight")
 
 
-def _full_shapes(cfg: MLAAttentionConfig) -> dict:
+def _full_shapes(cfg: MQALatentAttentionConfig) -> dict:
     H = cfg.num_attention_heads
     shapes = {
         "wq_a": (cfg.hidden_size, cfg.q_lora_rank),
@@ -88,7 +88,7 @@ def _full_shapes(cfg: MLAAttentionConfig) -> dict:
     return shapes
 
 
-def _init_weights(cfg: MLAAttentionConfig, seed: int, head_lo: int, head_hi: int) -> dict:
+def _init_weights(cfg: MQALatentAttentionConfig, seed: int, head_lo: int, head_hi: int) -> dict:
     """Weights for heads ``[head_lo, head_hi)``; replicated ones whole.
 
     Every per-rank parameter is drawn head by head from its own generator
@@ -121,7 +121,7 @@ def _init_weights(cfg: MLAAttentionConfig, seed: int, head_lo: int, head_hi: int
     return out
 
 
-def init_full_weights(config: MLAAttentionConfig, seed: int = 0) -> dict:
+def init_full_weights(config: MQALatentAttentionConfig, seed: int = 0) -> dict:
     """The unsharded weights (numpy fp32, keyed by parameter name) a layer built with
     ``seed`` holds, all heads.  Shapes: ``wq_a [hidden, q_lora]``, ``q_norm_weight [q_lora]``,
     ``wq_b [q_lora, H*(nope+rope)]`` (head-major columns), ``wkv_a [hidden, kv_lora+rope]``,
@@ -161,7 +161,7 @@ class MQALatentAttention(paddle.nn.Layer):
     """DeepSeek-V3.2-style sparse MLA attention, heads split over a tensor-parallel group.
 
     Args:
-        config: :class:`~paddlefleet.tilelang_ops.attn.config.MLAAttentionConfig`;
+        config: :class:`~paddlefleet.tilelang_ops.attn.config.MQALatentAttentionConfig`;
             ``config.tensor_parallel_degree`` must equal the group's size.
         group: the tensor-parallel group (a ``paddle.distributed`` group); ``None`` uses fleet's
             model-parallel group when hybrid parallel is initialised, else the world group.
@@ -195,10 +195,12 @@ class MQALatentAttention(paddle.nn.Layer):
             op's value checks; the message names the first bad row).
     """
 
-    def __init__(self, config: MLAAttentionConfig, group=None, seed: int = 0):
+    def __init__(self, config: MQALatentAttentionConfig, group=None, seed: int = 0):
         super().__init__()
-        if not isinstance(config, MLAAttentionConfig):
-            raise TypeError(f"config: expected MLAAttentionConfig, got {type(config).__name__}")
+        if not isinstance(config, MQALatentAttentionConfig):
+            raise TypeError(
+                f"config: expected MQALatentAttentionConfig, got {type(config).__name__}"
+            )
         self.config = config
         self.group = group if group is not None else default_tensor_parallel_group()
         self.tp_size = group_world_size(self.group)
@@ -332,7 +334,7 @@ class MQALatentAttention(paddle.nn.Layer):
         on_cuda = hidden_states.place.is_gpu_place()
         if on_cuda:  # the kernels take bf16
             query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
-        o_lat = sparse_mqa_attention(
+        o_lat = mqa_latent_sparse_attention(
             query, kv, token_indices, c.sm_scale, self.attn_sink, c.backward_backend,
             d_v=c.kernel_dv, cu_seqlens=cu_seqlens,
         )

@@ -1,8 +1,8 @@
 """Paddle autograd op for sparse MQA-latent attention with an attention sink.
 
 Reads top to bottom: backend choice -> plain forward/backward dispatch functions ->
-:class:`SparseMQAAttentionFunction` (a ``paddle.autograd.PyLayer`` that only does ``ctx``
-bookkeeping) -> the public :func:`sparse_mqa_attention`.
+:class:`MQALatentSparseAttentionFunction` (a ``paddle.autograd.PyLayer`` that only does ``ctx``
+bookkeeping) -> the public :func:`mqa_latent_sparse_attention`.
 
 Forward: the TileLang kernel (``interface.mqa_latent_sparse_fwd``) for CUDA tensors, the
 reference (``reference.mqa_latent_sparse_fwd_ref``) for CPU tensors, computed in fp64 for fp64
@@ -14,6 +14,9 @@ Inputs are checked once, when the op is called (on CUDA with the kernel wrapper'
 PyLayer then runs the wrapper's or the reference's unchecked bodies (``_fwd`` / ``_bwd``).
 
 The kernel module is imported lazily, on the CUDA path only, so CPU-only installs work.
+
+Former names, deprecated until the next release: ``sparse_mqa_attention`` and
+``SparseMQAAttentionFunction`` (the same objects).
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ from .config import BACKWARD_BACKENDS
 from .reference import _bwd as _reference_bwd
 from .reference import _fwd as _reference_fwd
 
-__all__ = ["sparse_mqa_attention", "SparseMQAAttentionFunction", "resolve_backward_backend"]
+__all__ = [
+    "mqa_latent_sparse_attention",
+    "MQALatentSparseAttentionFunction",
+    "resolve_backward_backend",
+    "sparse_mqa_attention",
+    "SparseMQAAttentionFunction",
+]
 
 
 def resolve_backward_backend(backward_backend: str | None, device_kind: str) -> str:
@@ -121,7 +130,7 @@ def _backward(backend, dims, query, kv, out, grad_out, lse, attn_sink, token_ind
 
 
 # --- PyLayer ---------------------------------------------------------------------------------
-class SparseMQAAttentionFunction(PyLayer):
+class MQALatentSparseAttentionFunction(PyLayer):
     """``ctx`` bookkeeping around :func:`_forward` / :func:`_backward`.
 
     Tensor inputs, in order: ``query``, ``kv``, ``token_indices`` and, when given,
@@ -162,7 +171,7 @@ class SparseMQAAttentionFunction(PyLayer):
 
 
 def _check_packed(dims, token_indices, cu_seqlens) -> None:
-    """The packed-documents checks of the forward (see :func:`sparse_mqa_attention`).
+    """The packed-documents checks of the forward (see :func:`mqa_latent_sparse_attention`).
 
     Run after :func:`_check_inputs` (whose value checks include the index range) on every
     device; the in-document check is one more value check.  The backward reuses the checked
@@ -182,7 +191,7 @@ def _check_packed(dims, token_indices, cu_seqlens) -> None:
     check_indices_in_documents(token_indices, cu)
 
 
-def sparse_mqa_attention(
+def mqa_latent_sparse_attention(
     query: paddle.Tensor,
     kv: paddle.Tensor,
     token_indices: paddle.Tensor,
@@ -233,7 +242,7 @@ def sparse_mqa_attention(
             cu_seqlens_from_lengths, varlen_causal_topk_indices)
         cu = cu_seqlens_from_lengths([100, 412])                      # int32 [0, 100, 512]
         idx = paddle.to_tensor(varlen_causal_topk_indices(cu, 64))    # [1, 512, 64]
-        out = sparse_mqa_attention(q, kv, idx, scale, sink, cu_seqlens=cu)
+        out = mqa_latent_sparse_attention(q, kv, idx, scale, sink, cu_seqlens=cu)
         # q [1, 512, H, Dk], kv [1, 512, Dk]: out[:, :100] equals the first document run
         # alone (q[:, :100], kv[:, :100]), out[:, 100:] the second (indices shifted by -100)
 
@@ -272,6 +281,11 @@ def sparse_mqa_attention(
     dims = _check_inputs(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind)
     if cu_seqlens is not None:
         _check_packed(dims, token_indices, cu_seqlens)
-    return SparseMQAAttentionFunction.apply(
+    return MQALatentSparseAttentionFunction.apply(
         query, kv, token_indices, attn_sink, sm_scale, dims, backend, device_kind
     )
+
+
+# Deprecated (until the next release): the former names of the op and its PyLayer.
+sparse_mqa_attention = mqa_latent_sparse_attention
+SparseMQAAttentionFunction = MQALatentSparseAttentionFunction

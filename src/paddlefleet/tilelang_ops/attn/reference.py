@@ -14,9 +14,10 @@ zero value of Xiao et al. (arXiv:2309.17453) and gpt-oss.
 
 Public functions:
     mqa_latent_sparse_fwd_ref, mqa_latent_sparse_bwd_ref (the arguments of the kernels'
-    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``); ``sparse_mqa_fwd_ref`` is the
-    forward's older name and ``sparse_mqa_bwd_ref`` the deprecated backward with the old
-    argument order.  The LSE bridge is ``attn/lse.py`` (still importable from here).
+    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``, in the same order).  Deprecated
+    until the next release: ``sparse_mqa_fwd_ref`` (the forward's former name) and
+    ``sparse_mqa_bwd_ref`` (the backward in its old argument order).  The LSE bridge is
+    ``attn/lse.py`` (still importable from here).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _cast_kv_sink(ops, kv, attn_sink, dtype):
     return ops.cast(kv, dtype), (None if attn_sink is None else ops.cast(attn_sink, dtype))
 
 
-def sparse_mqa_fwd_ref(
+def mqa_latent_sparse_fwd_ref(
     query: Any,
     kv: Any,
     token_indices: Any,
@@ -192,7 +193,7 @@ def mqa_latent_sparse_bwd_ref(
     (the last ``Dk - Dv`` columns get no value term) and ``d_sink[h] = -sum P_sink Delta``.
 
     Args:
-        query, kv: as in :func:`sparse_mqa_fwd_ref`.
+        query, kv: as in :func:`mqa_latent_sparse_fwd_ref`.
         out: ``[B, S, H, Dv]`` float, the forward output, or ``None``; when given, its last dim
             is ``Dv``.
         grad_out: ``[B, S, H, Dv]`` float, gradient of the loss with respect to ``out``
@@ -202,7 +203,7 @@ def mqa_latent_sparse_bwd_ref(
             ``out`` and ``lse`` are checked for type and shape only: the reference recomputes
             both in ``dtype`` from ``query`` and ``kv``, so its gradient is the exact one and
             does not inherit the rounding (or errors) of a given ``out``/``lse``.
-        attn_sink, token_indices, sm_scale: as in :func:`sparse_mqa_fwd_ref` (``attn_sink`` may
+        attn_sink, token_indices, sm_scale: as in :func:`mqa_latent_sparse_fwd_ref` (``attn_sink`` may
             be ``None``).
         dtype: compute and output dtype, ``"float32"`` or ``"float64"`` (keyword only).
 
@@ -212,7 +213,7 @@ def mqa_latent_sparse_bwd_ref(
         is zeros when ``attn_sink`` is ``None``.  Rows with no valid key contribute 0.
 
     Raises:
-        TypeError, ValueError: as :func:`sparse_mqa_fwd_ref`, plus ``grad_out``, ``out`` and
+        TypeError, ValueError: as :func:`mqa_latent_sparse_fwd_ref`, plus ``grad_out``, ``out`` and
         ``lse`` checks (type, framework, device, dtype, shape; a ``grad_out`` whose shape
         differs from ``out``'s is named).
     """
@@ -296,6 +297,5 @@ def sparse_mqa_bwd_ref(
                 check_compute_dtype(dtype))
 
 
-#: The forward reference under the kernel's name (same function, same arguments as
-#: :func:`~.interface.mqa_latent_sparse_fwd`).
-mqa_latent_sparse_fwd_ref = sparse_mqa_fwd_ref
+#: Deprecated (until the next release): the forward's former name.
+sparse_mqa_fwd_ref = mqa_latent_sparse_fwd_ref
