@@ -17,7 +17,6 @@ pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
 from helpers import REPO_ROOT, run_until_signalled  # noqa: E402
 
 TRAIN_STEP = REPO_ROOT / "tools" / "train_step.py"
-CONFIG_DIR = REPO_ROOT / "configs"
 
 
 def _train_step(*args, timeout=120, progress=False):
@@ -146,7 +145,11 @@ def test_train_step_nproc_must_divide_heads():
 
 
 def test_train_step_config_errors(tmp_path):
-    res = _train_step("--config", str(CONFIG_DIR / "deepseek_v32.json"), "--device", "cpu")
+    from paddlefleet.tilelang_ops.attn.config import get_preset
+
+    json_file = tmp_path / "deepseek_v32.json"
+    get_preset("deepseek_v32").to_json_file(json_file)
+    res = _train_step("--config", str(json_file), "--device", "cpu")
     assert res.returncode != 0 and "tilelang" in res.stderr
     # The config asks for tilelang: the hint names the cheap way and what the costly one costs.
     res = _train_step("--config", "deepseek_v32", "--device", "cpu", timeout=60)

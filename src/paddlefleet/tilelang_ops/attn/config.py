@@ -261,6 +261,8 @@ _DEEPSEEK_V32_SMALL = dict(
     backward_backend="reference",
 )
 
+#: The presets, by name: their one source (no JSON copies to drift from them; a preset as a file
+#: is ``get_preset(name).to_json_file(path)``).  The fields not named take the defaults.
 PRESETS: dict = {"deepseek_v32": _DEEPSEEK_V32, "deepseek_v32_small": _DEEPSEEK_V32_SMALL}
 
 
@@ -272,8 +274,8 @@ def get_preset(name: str, **overrides) -> MQALatentAttentionConfig:
 
 
 def load_config(name_or_path: str | os.PathLike, **overrides) -> MQALatentAttentionConfig:
-    """A preset name or a path to a JSON file (e.g. ``configs/deepseek_v32.json``), fields
-    overridable.
+    """A preset name or a path to a JSON file (a JSON object of config fields, e.g. written by
+    :meth:`MQALatentAttentionConfig.to_json_file`), fields overridable.
 
     Raises:
         ValueError: neither a preset nor a file; malformed JSON (naming the file); an unknown,
