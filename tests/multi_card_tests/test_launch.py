@@ -43,7 +43,7 @@ def _processes_running(marker: str) -> list:
     return found
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, signals")
 def test_timeout_ends_every_rank(tmp_path):
     script = tmp_path / f"hang_{os.getpid()}.py"
     script.write_text(_HANG)
@@ -78,7 +78,7 @@ def test_bad_arguments(kwargs, match):
         launch_ranks("x.py", kwargs["nproc"], timeout=kwargs["timeout"])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, signals")
 def test_stop_ends_a_launcher_that_ignores_sigterm():
     """The SIGKILL fallback: a 'launcher' that ignores SIGTERM, with a child in a session of its
     own (as Paddle starts its ranks) that ignores it too; both must be gone afterwards."""
