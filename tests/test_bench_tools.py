@@ -317,6 +317,12 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
         assert r["tflops"] == pytest.approx(model.work(model.SHAPES["tiny"], "fwd" if "fwd" in r["variant"] else "bwd")[0]
                                             / r["ms"] / 1e9)
         assert r["repeatable"] is (None if r["variant"].startswith("ref") else True)
+    # the reference rows check our outputs (here: the reference itself, out rounded to bf16)
+    assert rows[5]["note"].startswith("fwd vs reference, rel. L2: out ")
+    errors = dict(x.rsplit(" ", 1) for x in rows[5]["note"].split(": ", 1)[1].split(", "))
+    assert set(errors) == {"out", "lse"} and 1e-4 < float(errors["out"]) < 1e-2
+    assert float(errors["lse"]) == 0.0
+    assert rows[6]["note"] == "bwd_det vs reference, rel. L2: dq 0.0e+00, dkv 0.0e+00, d_sink 0.0e+00"
     det, atomic = rows[4], rows[3]
     assert det["det_over_atomic"] == pytest.approx(det["ms"] / atomic["ms"])
     assert det["note"] == "cpu-standin: reference"

@@ -11,7 +11,8 @@
 
 Per shape: fwd, bwd_atomic, bwd_det (our wrappers, as training calls them: input value checks
 on unless --no-check-indices; outputs checked finite and, over two calls, bitwise equal) and,
-on --ref-shapes, the package's fp32 reference (ref_fwd, ref_bwd); first a dense bf16 matmul and
+on --ref-shapes, the package's fp32 reference (ref_fwd, ref_bwd; its row's note has our fwd's
+and bwd_det's relative L2 error against it on the same inputs); first a dense bf16 matmul and
 a device copy, the measured ceilings.  CUDA events around each call, --sets input sets rotated
 call by call.  Work model: model.py.  Output in --out: results.json, results.csv (rewritten
 after every shape), table.txt (printed last), time_per_shape.png (with matplotlib).  A shape
@@ -226,6 +227,17 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
         if not all(bool(torch.isfinite(u).all()) for u in x):
             res["note"] = "non-finite output"
     return res
+
+
+#: Which of our variants each reference variant checks, and the names of their outputs.
+CHECKED_BY_REF = {"ref_fwd": ("fwd", ("out", "lse")), "ref_bwd": ("bwd_det", ("dq", "dkv", "d_sink"))}
+
+
+def rel_errors(ours, ref, names) -> str:
+    """Relative L2 error of each of our outputs against the reference's (all-zero ones, e.g.
+    d_sink without a sink, left out)."""
+    return ", ".join(f"{n} {float((o.float() - r.float()).norm() / r.float().norm()):.1e}"
+                     for n, o, r in zip(names, ours, ref) if bool(r.float().norm() > 0))
 
 
 # --- stage timing ------------------------------------------------------------------------------
@@ -462,6 +474,10 @@ def run(a: argparse.Namespace) -> int:
                     if cpu and not ref:
                         row["note"] = "; ".join(filter(None, (row["note"], "cpu-standin: "
                                                                            "reference")))
+                    if ref:  # our values against the package's reference, same inputs
+                        mine, names = CHECKED_BY_REF[v]
+                        row["note"] = f"{mine} vs reference, rel. L2: " + rel_errors(
+                            fns[mine](sets[0]), fns[v](sets[0]), names)
                     add(row)
                     if a.stages and not ref:
                         rep = payload["stages"][f"{s.name}/{v}"] = stage_report(
