@@ -196,6 +196,9 @@ def all_to_all(x: paddle.Tensor, split_axis: int, concat_axis: int, group=None) 
     on NCCL (any backend but gloo); on gloo a fallback built from ``dist.all_gather`` (module
     docstring).  No-op on one rank.
 
+    ``x``: any shape and dtype the backend moves (bf16/fp32 on NCCL, fp32 on gloo), the same
+    shape and dtype on every rank; the result has ``x``'s dtype.
+
     Raises:
         ValueError: ``x.shape[split_axis]`` not divisible by the group size (from
             ``paddle.split``).
@@ -207,7 +210,11 @@ def all_to_all(x: paddle.Tensor, split_axis: int, concat_axis: int, group=None) 
 
 def gather_from_tensor_parallel(x: paddle.Tensor, group=None) -> paddle.Tensor:
     """``[n, ...]`` per rank -> ``[n * TP, ...]``, rank-ordered, on every rank; the backward sums
-    the gradient over ``group`` and returns this rank's ``n`` rows (no-op on one rank)."""
+    the gradient over ``group`` and returns this rank's ``n`` rows (no-op on one rank).
+
+    ``x``: the same shape and dtype on every rank (the layer passes its fp32 ``attn_sink [h]``
+    shard); the result has ``x``'s dtype.  Different shapes on different ranks make the
+    collective fail or hang (not checked: that would take a collective of its own)."""
     if group_world_size(group) == 1:
         return x
     return GatherFromTensorParallel.apply(x, group)
