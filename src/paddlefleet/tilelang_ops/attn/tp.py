@@ -196,8 +196,8 @@ def all_to_all(x: paddle.Tensor, split_axis: int, concat_axis: int, group=None) 
     on NCCL (any backend but gloo); on gloo a fallback built from ``dist.all_gather`` (module
     docstring).  No-op on one rank.
 
-    ``x``: any shape and dtype the backend moves (bf16/fp32 on NCCL, fp32 on gloo), the same
-    shape and dtype on every rank; the result has ``x``'s dtype.
+    ``x``: any shape, any dtype the backend moves (bf16 and fp32 on NCCL and on the gloo
+    fallback), the same shape and dtype on every rank; the result has ``x``'s dtype.
 
     Raises:
         ValueError: ``x.shape[split_axis]`` not divisible by the group size (from
