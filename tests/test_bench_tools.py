@@ -1,487 +1,413 @@
-"""CPU tests of the benchmark tools in ``tools/bench/`` (no timing is asserted).
+"""CPU tests of the benchmark in ``tools/bench/`` (no timing is asserted).
 
-The pure parts (FLOP and byte counts, floors, percentiles, shape selection, CSV/JSON/table
-writers, the bars) run everywhere, including the Paddle CI environment, which has neither
-PyTorch nor matplotlib.  The CPU stand-in run and the index generator need PyTorch and skip
-cleanly without it; the PNG is checked only where matplotlib is installed.
+The work model, statistics, table writer and plot's markdown run everywhere (the Paddle CI has
+numpy but neither PyTorch nor matplotlib); the runs on CPU (the reference standing in for the
+kernels, or the interface with ``helpers.CpuStandIn`` as its kernels) need PyTorch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from helpers import cuda_available
+from helpers import REPO_ROOT, CpuStandIn, cuda_available
 
-BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench"
+BENCH = REPO_ROOT / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
 
-import bench_sparse_mqa  # noqa: E402
+import bench_sparse_mqa as bench  # noqa: E402
 import harness  # noqa: E402
+import model  # noqa: E402
 import plot  # noqa: E402
 
-REF = harness.SHAPES["ref"]
-TINY = harness.SHAPES["tiny"]
-
-
-# --- FLOPs, bytes, floors ------------------------------------------------------------------
-
-
-def test_flop_formulas_reproduce_the_recorded_upstream_rates():
-    # Measured on our H200 (TileLang 0.1.15): the upstream example at the ref shape ran fwd 3.66 ms = 319 TFLOP/s
-    # and bwd 15.6 ms = 189 TFLOP/s with these very counts.
-    assert harness.fwd_flops(REF) == 2 * 4096 * 64 * 2048 * (576 + 512)
-    assert harness.bwd_flops(REF) == 2 * 4096 * 64 * 2048 * (512 + 3 * 576 + 512)
-    assert harness.tflops(harness.fwd_flops(REF), 3.66) == pytest.approx(319, abs=0.5)
-    assert harness.tflops(harness.bwd_flops(REF), 15.6) == pytest.approx(189, abs=0.5)
-    # field notes: 2.95 TFLOP of backward GEMMs -> 3.7 ms at 790 TFLOP/s
-    assert harness.bwd_flops(REF) / 1e12 == pytest.approx(2.95, abs=0.01)
-
-
-def test_flops_scale_with_heads_and_tokens():
-    s = harness.SHAPES
-    assert harness.bwd_flops(s["h128"]) == 2 * harness.bwd_flops(s["ref"])
-    assert harness.bwd_flops(s["ref"]) == 8 * harness.bwd_flops(s["tp8"])
-    assert harness.fwd_flops(s["tp4"]) * 4 == harness.fwd_flops(s["ref"])
-    # b2 has the same B*S as ref, so the same work: its time compares directly
-    assert harness.fwd_flops(s["b2"]) == harness.fwd_flops(s["ref"])
-    assert harness.bwd_flops(s["b2"]) == harness.bwd_flops(s["ref"])
-
-
-def test_min_bytes_count_each_tensor_once():
-    s = harness.Shape("x", B=2, S=3, S_kv=5, H=7, topk=11, Dk=13, Dv=4)
-    q, kv, idx = 2 * 3 * 7 * 13 * 2, 2 * 5 * 13 * 2, 2 * 3 * 11 * 4
-    out, lse = 2 * 3 * 7 * 4 * 2, 2 * 3 * 7 * 4
-    assert harness.fwd_min_bytes(s) == q + kv + idx + out + lse
-    # backward: reads q kv idx out dO lse, writes dq (= q bytes) and dkv (= kv bytes)
-    assert harness.bwd_min_bytes(s) == 2 * q + 2 * kv + idx + 2 * out + lse
-    assert harness.bwd_min_bytes(s, index_bytes=8) - harness.bwd_min_bytes(s) == idx
-
-
-def test_floor_takes_the_larger_term_and_names_it():
-    f = harness.floor(790e9, 1e6)  # 1 ms of compute, ~0.23 us of memory
-    assert f["compute_ms"] == pytest.approx(1.0)
-    assert f["memory_ms"] == pytest.approx(1e6 / 4.3e12 * 1e3)
-    assert f["floor_ms"] == f["compute_ms"] and f["bound"] == "compute"
-    g = harness.floor(1e6, 4.3e9)
-    assert g["bound"] == "memory" and g["floor_ms"] == pytest.approx(1.0)
-    # every default shape is compute-bound on the H200 by a wide margin
-    for name in harness.DEFAULT_SHAPES:
-        s = harness.SHAPES[name]
-        b = harness.floor(harness.bwd_flops(s), harness.bwd_min_bytes(s))
-        assert b["bound"] == "compute" and b["memory_ms"] < b["compute_ms"] / 2, name
-
-
-def test_floors_table_has_two_rows_per_shape():
-    shapes = [harness.SHAPES[n] for n in harness.DEFAULT_SHAPES]
-    text = harness.floors_table(shapes)
-    body = [ln for ln in text.splitlines()[2:]]
-    assert len(body) == 2 * len(shapes)
-    assert "| ref | B=1 S=4096 S_kv=8192 H=64 topk=2048 | bwd | 2,955 |" in text
-
-
-def test_gather_scatter_bytes_do_not_shrink_below_one_head_group():
-    g8, s8 = harness.gather_scatter_bytes(harness.SHAPES["tp8"])
-    g64, s64 = harness.gather_scatter_bytes(harness.SHAPES["ref"])
-    g128, _ = harness.gather_scatter_bytes(harness.SHAPES["h128"])
-    assert (g8, s8) == (g64, s64) == (4096 * 2048 * 576 * 2, 4096 * 2048 * 576 * 4)
-    assert g128 == 2 * g64
-
-
-def test_reference_memory_estimate_grows_with_the_problem():
-    est = harness.reference_mem_bytes
-    assert est(harness.SHAPES["h128"]) > est(REF) > est(harness.SHAPES["tp8"]) > est(TINY)
-    assert est(REF, chunk_bytes=1 << 30) > est(REF)
-    # fp32 dq alone at the ref shape is 0.6 GB; the estimate must cover it
-    assert est(REF) > 4 * 4096 * 64 * 576
-
-
-# --- statistics ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n", [1, 2, 7, 50])
-def test_quantile_matches_numpy(n):
-    rng = np.random.default_rng(n)
-    v = list(rng.exponential(3.0, size=n))
-    for q in (0.0, 0.2, 0.5, 0.8, 1.0):
-        assert harness.quantile(v, q) == pytest.approx(float(np.quantile(v, q)), rel=1e-12)
-    s = harness.summarize(v)
-    assert s["ms"] == pytest.approx(float(np.median(v)))
-    assert s["ms_p20"] <= s["ms"] <= s["ms_p80"] and s["ms_min"] == min(v) and s["reps"] == n
-
-
-def test_quantile_rejects_bad_input():
-    with pytest.raises(ValueError, match="empty"):
-        harness.quantile([], 0.5)
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        harness.quantile([1.0], 1.5)
-
-
-# --- shapes ------------------------------------------------------------------------------------
-
-
-def test_select_shapes():
-    assert [s.name for s in harness.select_shapes(None)] == list(harness.DEFAULT_SHAPES)
-    assert "tiny" not in harness.DEFAULT_SHAPES
-    assert [s.name for s in harness.select_shapes("tp8, ref,tp8")] == ["tp8", "ref"]
-    assert len(harness.select_shapes("all")) == len(harness.SHAPES)
-    with pytest.raises(ValueError, match="'nope'.*known: ref"):
-        harness.select_shapes("ref,nope")
-    with pytest.raises(ValueError, match="no shape"):
-        harness.select_shapes(" , ")
-
-
-def test_shape_table_is_what_the_docs_state():
-    s = harness.SHAPES
-    assert (REF.B, REF.S, REF.S_kv, REF.H, REF.topk, REF.Dk, REF.Dv) == (1, 4096, 8192, 64, 2048,
-                                                                         576, 512)
-    assert (s["fleet"].S, s["fleet"].S_kv, s["fleet"].topk) == (8192, 8192, 640)
-    assert (s["tp8"].H, s["tp4"].H, s["h128"].H) == (8, 16, 128)
-    assert (s["b2"].B, s["b2"].S, s["b2"].S_kv) == (2, 2048, 8192)
-
-
-# --- rows, writers, bars -----------------------------------------------------------------------
-
+REF = model.SHAPES["ref"]
 META = {"gpu": "Test GPU", "torch": "9.9", "tilelang": "0.1.15", "timestamp": "T", "git": "abc"}
 
 
-def _rows(det_ms=20.0, atomic_ms=15.0, fwd_ms=3.5):
+# --- the work model ----------------------------------------------------------------------------
+
+
+def test_work_at_the_ref_shape_by_hand():
+    # fwd: 2 * 4096 * 64 * 2048 * (576 + 512); bwd: the same slots times (2*512 + 3*576) = 2752
+    assert model.work(REF, "fwd")[0] == 1_168_231_104_512
+    assert model.work(REF, "bwd")[0] == 2_954_937_499_648
+    # q 301,989,888 + kv 9,437,184 + indices 33,554,432 + out 268,435,456 + lse 1,048,576
+    assert model.work(REF, "fwd")[1] == 614_465_536
+    # 2 q + 2 kv + indices + 2 out (out, dO) + lse
+    assert model.work(REF, "bwd")[1] == 1_194_328_064
+    # the upstream example at ref: fwd 3.66 ms = 319 TFLOP/s, bwd 15.6 ms = 189 TFLOP/s
+    row = harness.fill_rates({"ms": 15.6}, *model.work(REF, "bwd"), None, None)
+    assert round(row["tflops"]) == 189
+    with pytest.raises(ValueError, match="'fwd' or 'bwd'"):
+        model.work(REF, "both")
+
+
+def test_work_of_a_small_shape_by_hand():
+    s = model.Shape("x", B=2, S=3, S_kv=5, H=7, topk=11, Dk=13, Dv=4)
+    slots = 2 * 3 * 7 * 11  # 462
+    # q 1092, kv 260, indices 264, out 336, lse 168 bytes
+    q, kv, idx, out, lse = 2 * 3 * 7 * 13 * 2, 2 * 5 * 13 * 2, 2 * 3 * 11 * 4, 2 * 3 * 7 * 4 * 2, 2 * 3 * 7 * 4
+    assert model.work(s, "fwd") == (2 * slots * 17, q + kv + idx + out + lse) == (15708, 2120)
+    assert model.work(s, "bwd") == (2 * slots * 47, 2 * q + 2 * kv + idx + 2 * out + lse) \
+        == (43428, 3808)
+
+
+def test_floor_names_the_larger_term():
+    f = model.floor(790e9, 1e6)  # 1 ms of compute at 790 TFLOP/s, 0.23 us of memory
+    assert f["compute_ms"] == pytest.approx(1.0) and f["bound"] == "compute"
+    assert f["memory_ms"] == pytest.approx(1e6 / 4.3e9)
+    g = model.floor(1e6, 4.3e9)
+    assert g["bound"] == "memory" and g["floor_ms"] == pytest.approx(1.0)
+
+
+def test_gather_scatter_bytes_by_hand():
+    rows = 4096 * 2048  # one head group per row up to 64 heads
+    assert model.gather_scatter_bytes(model.SHAPES["tp8"]) == (rows * 576 * 2, rows * 576 * 4)
+    assert model.gather_scatter_bytes(REF) == (9_663_676_416, 19_327_352_832)
+    assert model.gather_scatter_bytes(model.SHAPES["h128"])[0] == 2 * 9_663_676_416
+
+
+def test_select_shapes():
+    assert [s.name for s in model.select_shapes(None)] == list(model.DEFAULT_SHAPES)
+    assert [s.name for s in model.select_shapes("tp8, ref,tp8")] == ["tp8", "ref"]
+    assert len(model.select_shapes("all")) == len(model.SHAPES)
+    with pytest.raises(ValueError, match="--shapes: unknown shape 'nope'; known: ref"):
+        model.select_shapes("ref,nope")
+    with pytest.raises(ValueError, match="--x: no shape named"):
+        model.select_shapes(" , ", "--x")
+
+
+def test_partition_shapes():
+    parts = model.partition_shapes(REF)
+    assert [(tp, p) for tp, p, _ in parts] == [(t, p) for t in (1, 2, 4, 8) for p in ("heads", "seq")]
+    dims = {(tp, p): (s.B, s.S, s.S_kv, s.H, s.topk) for tp, p, s in parts}
+    assert dims[1, "heads"] == dims[1, "seq"] == (1, 4096, 8192, 64, 2048)
+    assert parts[0][2] is REF and parts[1][2] is REF  # timed once
+    assert dims[8, "heads"] == (1, 4096, 8192, 8, 2048)
+    assert dims[8, "seq"] == (1, 512, 8192, 64, 2048)
+    assert dims[2, "seq"] == (1, 2048, 8192, 64, 2048)
+    # S not divisible by TP: the largest rank's rows
+    odd = model.Shape("odd", 1, 100, 128, 8, 16)
+    s_rows = {tp: s.S for tp, p, s in model.partition_shapes(odd) if p == "seq"}
+    assert s_rows == {1: 100, 2: 50, 4: 25, 8: 13}
+    assert {s.name for _, _, s in model.partition_shapes(odd)} >= {"odd", "odd-seq-tp8",
+                                                                   "odd-heads-tp8"}
+    with pytest.raises(ValueError, match="H=12 of h12 is not divisible by TP=8"):
+        model.partition_shapes(model.Shape("h12", 1, 8, 8, 12, 4))
+
+
+def test_sequence_all_to_all_bytes_by_hand():
+    assert model.seq_a2a_bytes(REF, 1) == 0
+    # TP=8: q [1, 4096, 8, 576] 37,748,736 B + out [1, 512, 64, 512] 33,554,432 B, 7/8 of each
+    # sent out and back in the forward, the same in the backward
+    assert model.seq_a2a_bytes(REF, 8) == 2 * 7 / 8 * (37_748_736 + 33_554_432) == 124_780_544
+    assert model.seq_a2a_bytes(REF, 2) == 285_212_672  # 150,994,944 + 134,217,728
+    odd = model.Shape("odd", 1, 100, 128, 8, 16, Dk=4, Dv=2)
+    assert model.seq_a2a_bytes(odd, 8) == 2 * 7 / 8 * (100 * 1 * 4 * 2 + 13 * 8 * 2 * 2) == 2128
+
+
+# --- statistics, rows and the table writer ----------------------------------------------------
+
+
+def test_summarize_quantiles_by_hand():
+    s = harness.summarize([7.0, 1.0, 10.0, 4.0, 2.0, 9.0, 3.0, 6.0, 5.0, 8.0])
+    # linear interpolation over the sorted 1..10: p20 at position 1.8, p80 at 7.2
+    assert s == pytest.approx({"ms": 5.5, "ms_p20": 2.8, "ms_p80": 8.2, "ms_min": 1.0,
+                               "ms_max": 10.0, "reps": 10})
+    assert harness.summarize([3.0])["ms_p20"] == 3.0
+
+
+def test_table_writer():
+    cols = (("name", "name", ""), ("x", "x", ".2f"), ("twice", lambda r: r["n"] * 2, "d"),
+            ("ok", "ok", ""))
+    rows = [{"name": "a", "x": 1.234, "n": 2, "ok": True},
+            {"name": None, "x": "error: boom", "n": 0, "ok": False}]
+    assert harness.table(cols, rows) == (
+        "| name | x | twice | ok |\n"
+        "|---|---:|---:|---|\n"
+        "| a | 1.23 | 4 | yes |\n"
+        "| - | error: boom | 0 | NO |")
+
+
+def test_floors_table_is_the_one_in_the_performance_doc():
+    text = (REPO_ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    table = harness.floors_table([model.SHAPES[n] for n in model.DEFAULT_SHAPES])
+    assert table in text  # regenerate the doc's table (bench_sparse_mqa.py --dry-run) if not
+    assert ("| ref | B=1 S=4096 S_kv=8192 H=64 topk=2048 | bwd | 2,955 | 1,194 | 3.74 | 0.278 "
+            "| 3.74 | compute |") in table
+
+
+def _rows():
     rows = []
-    for variant, ms, flops in (("fwd", fwd_ms, harness.fwd_flops(REF)),
-                               ("bwd_atomic", atomic_ms, harness.bwd_flops(REF)),
-                               ("bwd_det", det_ms, harness.bwd_flops(REF))):
+    for variant, ms in (("fwd", 3.5), ("bwd_atomic", 15.0), ("bwd_det", 20.0)):
         r = harness.make_row(REF, variant, META, ms=ms, ms_p20=ms * 0.99, ms_p80=ms * 1.01,
-                             ms_min=ms * 0.98, reps=20, peak_mem_mb=1234.5, repeatable=True)
-        rows.append(harness.fill_rates(r, flops, 790.0))
-    rows.append(harness.make_row(harness.SHAPES["tp8"], "bwd_det", META,
-                                 status="error: RuntimeError: boom"))
+                             reps=20, peak_mem_mb=1234.5, extra_mem_mb=600.0, repeatable=True)
+        rows.append(harness.fill_rates(r, *model.work(REF, variant[:3]), 790.0, 4.3))
+    rows.append(harness.make_row(model.SHAPES["tp8"], "bwd_det", META, status="skipped: oom"))
     harness.fill_det_ratio(rows)
     return rows
 
 
-def test_make_row_fills_meta_and_rejects_unknown_fields():
-    r = harness.make_row(REF, "fwd", META, ms=1.0)
-    assert set(r) == set(harness.CSV_FIELDS)
-    assert (r["gpu"], r["shape"], r["H"], r["status"], r["tflops"]) == ("Test GPU", "ref", 64,
-                                                                        "ok", None)
+def test_rows():
+    rows = _rows()
+    assert set(rows[0]) == set(harness.FIELDS)
+    assert rows[2]["det_over_atomic"] == pytest.approx(20 / 15)
+    assert rows[1]["det_over_atomic"] is None and rows[3]["det_over_atomic"] is None
+    assert rows[2]["x_floor"] == pytest.approx(20.0 / (2_954_937_499_648 / 790e9))
+    assert rows[2]["tbs"] == pytest.approx(1_194_328_064 / 20e-3 / 1e12)
     with pytest.raises(ValueError, match="unknown fields"):
         harness.make_row(REF, "fwd", META, millis=1.0)
 
 
-def test_rates_and_det_ratio():
+def test_results_json_round_trip_through_plot_markdown(tmp_path, capsys):
     rows = _rows()
-    fwd, atomic, det = rows[:3]
-    assert fwd["tflops"] == pytest.approx(harness.fwd_flops(REF) / 3.5e-3 / 1e12)
-    assert fwd["frac_peak"] == pytest.approx(fwd["tflops"] / 790.0)
-    assert fwd["gflop"] == pytest.approx(harness.fwd_flops(REF) / 1e9)
-    assert det["det_over_atomic"] == pytest.approx(20.0 / 15.0)
-    assert atomic["det_over_atomic"] is None and rows[3]["det_over_atomic"] is None
-
-
-@pytest.mark.parametrize("det, atomic, fwd, verdicts", [
-    (20.0, 15.0, 3.5, ["PASS", "PASS", "PASS"]),   # 1.33x, 15 ms, 334 TFLOP/s
-    (25.0, 15.0, 4.0, ["FAIL", "PASS", "FAIL"]),   # 1.67x, 292 TFLOP/s
-    (18.0, 16.5, 3.5, ["PASS", "FAIL", "PASS"]),
-])
-def test_bars(det, atomic, fwd, verdicts):
-    bars = harness.check_bars(_rows(det, atomic, fwd))
-    assert [b["verdict"] for b in bars] == verdicts
-    assert all(b["shape"] == "ref" for b in bars)
-    assert [b["verdict"] for b in harness.check_bars(_rows()[3:])] == ["n/a"] * 3
-
-
-def test_csv_round_trip(tmp_path):
-    rows = _rows()
-    path = tmp_path / "r.csv"
-    harness.write_csv(rows, str(path))
-    header = path.read_text().splitlines()[0].split(",")
-    assert tuple(header) == harness.CSV_FIELDS
-    back = harness.read_csv(str(path))
-    assert len(back) == len(rows)
-    for a, b in zip(rows, back):
-        for k in harness.CSV_FIELDS:
-            if isinstance(a[k], float):
-                assert b[k] == pytest.approx(a[k], rel=1e-5), k
-            else:
-                assert b[k] == a[k], k
-
-
-def test_json_and_markdown_via_plot(tmp_path):
-    rows = _rows()
-    meta = dict(META, peak_tflops=790.0)
-    path = tmp_path / "results.json"
-    harness.write_json({"meta": meta, "rows": rows}, str(path))
-    back, meta_back = plot.load_results(str(path))
-    assert back == json.loads(json.dumps(rows)) and meta_back["gpu"] == "Test GPU"
-    md = plot.markdown(back, meta_back)
-    table = [ln for ln in md.splitlines() if ln.startswith("| ref ") or ln.startswith("| tp8 ")]
-    assert len(table) == 4
-    assert "| ref | 1 | 4096 | 8192 | 64 | 2048 | bwd_det | 20.000 |" in md
-    assert "1.33 |" in md and "error: RuntimeError: boom" in md
-    assert "| atomic bwd <= 16 ms | 15 | PASS |" in md
-    # CSV input gives the same table body
-    harness.write_csv(rows, str(tmp_path / "results.csv"))
-    rows_csv, _ = plot.load_results(str(tmp_path / "results.csv"))
-    assert harness.markdown_table(rows_csv) == harness.markdown_table(back)
-
-
-def test_text_table():
-    rows = _rows()
-    bars = harness.check_bars(rows)
-    text = harness.format_table(rows, dict(META, peak_tflops=790.0), bars)
-    lines = text.splitlines()
-    assert lines[0].startswith("GPU Test GPU | torch 9.9 | tilelang 0.1.15")
-    assert any(ln.startswith("ref ") and "bwd_det" in ln and "20.000" in ln and "1.33" in ln
-               for ln in lines)
-    assert any("tp8" in ln and "error: RuntimeError: boom" in ln for ln in lines)
-    assert lines[-1] == f"bar [ref] fwd >= 300 TFLOP/s: {rows[0]['tflops']:.3g} PASS"
-    assert all(len(ln) <= 120 for ln in lines)
-
-
-# --- the runner ------------------------------------------------------------------------------
-
-
-def test_parse_args_defaults_and_errors(monkeypatch):
-    monkeypatch.delenv("OUT", raising=False)
-    a = bench_sparse_mqa.parse_args([])
-    assert (a.reps, a.warmup, a.sets, a.ref_reps) == (50, 5, 3, 3)
-    assert a.reps >= 20 and a.out == str(BENCH / "results")
-    assert a.ref_shape_names == {"tiny", "tp8", "ref"}
-    q = bench_sparse_mqa.parse_args(["--quick", "--no-ref"])
-    assert q.reps >= 20 and q.warmup < a.warmup and not set(q.variant_list) & {"ref_fwd",
-                                                                               "ref_bwd"}
-    monkeypatch.setenv("OUT", "/somewhere")
-    assert bench_sparse_mqa.parse_args([]).out == "/somewhere"
-    for bad in (["--sets", "2"], ["--variants", "fwd,bogus"], ["--reps", "0"]):
-        with pytest.raises(SystemExit):
-            bench_sparse_mqa.parse_args(bad)
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--shapes", "nosuch"], "error: --shapes: unknown shape 'nosuch'; known: "),
-    (["--shapes", " , "], "error: --shapes: no shape named in ' , '"),
-    (["--ref-shapes", "nosuch"], "error: --ref-shapes: unknown shape 'nosuch'"),
-])
-def test_unknown_shape_is_a_usage_error(capsys, args, message):
-    """A usage error (exit 2, one error line), not a ValueError traceback."""
-    with pytest.raises(SystemExit) as e:
-        bench_sparse_mqa.main(args)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    errors = [ln for ln in err.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and message in errors[0], err
-
-
-def test_cpu_standin_defaults_to_the_tiny_shape(monkeypatch):
-    """Without --shapes the stand-in would run the H200 shapes on CPU for minutes."""
-    monkeypatch.delenv("OUT", raising=False)
-    assert [s.name for s in bench_sparse_mqa.parse_args(["--cpu-standin", "--quick"]).shape_list] \
-        == ["tiny"]
-    assert [s.name for s in bench_sparse_mqa.parse_args(
-        ["--cpu-standin", "--shapes", "tiny,tp8"]).shape_list] == ["tiny", "tp8"]
-    assert [s.name for s in bench_sparse_mqa.parse_args([]).shape_list] \
-        == list(harness.DEFAULT_SHAPES)
-
-
-def test_dry_run_needs_no_torch(capsys):
-    assert bench_sparse_mqa.main(["--dry-run", "--shapes", "tiny,ref"]) == 0
-    out = capsys.readouterr().out
-    assert "ref    B=1 S=4096 S_kv=8192 H=64 topk=2048" in out
-    assert "fwd  1.168 TFLOP" in out and "bwd  2.955 TFLOP" in out
-
-
-def test_causal_indices_on_device_keep_the_causal_semantics():
-    torch = pytest.importorskip("torch")
-    s = harness.Shape("t", B=2, S=40, S_kv=48, H=1, topk=16)
-    g = torch.Generator().manual_seed(3)
-    idx = bench_sparse_mqa.causal_topk_indices_torch(torch, s, g, "cpu", row_chunk=7)
-    assert idx.shape == (2, 40, 16) and idx.dtype == torch.int32
-    for b in range(2):
-        for r in range(40):
-            pos = s.S_kv - s.S + r
-            row = idx[b, r].tolist()
-            n_valid = min(16, pos + 1)
-            valid = row[:n_valid]
-            assert row[n_valid:] == [-1] * (16 - n_valid), (b, r)  # -1 padding at the end
-            assert len(set(valid)) == n_valid and all(0 <= k <= pos for k in valid), (b, r)
-    # random, not the first keys in order
-    assert idx[0, -1].tolist() != list(range(16)) and idx[0, -1].tolist() != idx[1, -1].tolist()
-
-
-def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
-    pytest.importorskip("torch")
-    out = tmp_path / "bench"
-    rc = bench_sparse_mqa.main(["--cpu-standin", "--shapes", "tiny", "--reps", "3",
-                                "--warmup", "1", "--ref-reps", "1", "--no-progress",
-                                "--out", str(out)])
-    assert rc == 0
-    payload = json.loads((out / "results.json").read_text())
-    rows = payload["rows"]
-    assert [r["variant"] for r in rows] == ["matmul_fp32", "copy", "fwd", "bwd_atomic",
-                                            "bwd_det", "ref_fwd", "ref_bwd"]
-    assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
-    for r in rows:
-        assert r["reps"] == (1 if r["variant"].startswith("ref") else 3)
-        assert r["ms_p20"] <= r["ms"] <= r["ms_p80"]
-        assert (r["tflops"] is None) == (r["variant"] == "copy")
-        assert (r["tbs"] is None) == r["variant"].startswith("matmul")
-    meta = payload["meta"]
-    assert meta["peak_tflops"] == rows[0]["tflops"] and meta["copy_tbs"] == rows[1]["tbs"]
-    for r in rows[2:]:
-        assert r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"]) and r["x_floor"] > 0
-        assert r["frac_peak"] == pytest.approx(r["tflops"] / meta["peak_tflops"])
-    det = next(r for r in rows if r["variant"] == "bwd_det")
-    atomic = next(r for r in rows if r["variant"] == "bwd_atomic")
-    assert det["det_over_atomic"] == pytest.approx(det["ms"] / atomic["ms"])
-    assert det["repeatable"] is True
-    assert payload["meta"]["cpu_standin"] is True and payload["bars"][0]["verdict"] == "n/a"
-    assert len(harness.read_csv(str(out / "results.csv"))) == len(rows)
-    printed = capsys.readouterr().out
-    assert printed.rstrip().endswith((out / "table.txt").read_text().rstrip())
-    has_mpl = importlib.util.find_spec("matplotlib") is not None
-    assert (out / "time_per_shape.png").exists() == has_mpl
-    if has_mpl:
-        assert (out / "time_per_shape.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_a_variant_that_fails_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
-    pytest.importorskip("torch")
-    real = bench_sparse_mqa.load_functions
-
-    def broken(*args, **kwargs):
-        fns, skipped = real(*args, **kwargs)
-
-        def boom(inp):
-            raise RuntimeError("kernel exploded")
-
-        fns["bwd_atomic"] = boom
-        skipped["ref_fwd"] = "not importable (test)"
-        fns.pop("ref_fwd", None)
-        return fns, skipped
-
-    monkeypatch.setattr(bench_sparse_mqa, "load_functions", broken)
-    out = tmp_path / "b"
-    rc = bench_sparse_mqa.main(["--cpu-standin", "--shapes", "tiny", "--reps", "2", "--warmup",
-                                "0", "--ref-reps", "1", "--no-progress", "--no-plot",
-                                "--matmul-n", "0", "--copy-mb", "0", "--out", str(out)])
-    assert rc == 0
-    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert rows["bwd_atomic"]["status"] == "error: RuntimeError: kernel exploded"
-    assert rows["ref_fwd"]["status"] == "skipped: not importable"
-    assert rows["bwd_det"]["status"] == "ok" and rows["ref_bwd"]["status"] == "ok"
-    assert rows["bwd_det"]["det_over_atomic"] is None
-    assert rows["fwd"]["frac_peak"] is not None and not math.isnan(rows["fwd"]["frac_peak"])
-
-
-def test_gpu_path_binds_the_interface_signatures():
-    """Without a GPU, our wrappers must get as far as their device check: that proves the
-    benchmark calls them with arguments in the agreed order and keywords."""
-    torch = pytest.importorskip("torch")
-    msgs = []
-    fns, skipped = bench_sparse_mqa.load_functions(torch, bench_sparse_mqa.VARIANTS, False,
-                                                   msgs.append, check_indices=False)
-    if "fwd" in skipped:
-        pytest.skip(f"interface not importable here: {skipped['fwd']}")
-    assert set(fns) >= {"fwd", "bwd_det", "bwd_atomic"} and msgs == []
-    s = TINY
-    inp = bench_sparse_mqa.make_input_sets(
-        torch, s, bench_sparse_mqa.parse_args(["--shapes", "tiny"]), "cpu")[0]
-    inp["out"] = torch.zeros((s.B, s.S, s.H, s.Dv), dtype=torch.bfloat16)
-    inp["lse"] = torch.zeros((s.B, s.S, s.H), dtype=torch.float32)
-    for v in ("fwd", "bwd_det", "bwd_atomic"):
-        with pytest.raises(ValueError, match="(?i)cuda"):
-            fns[v](inp)
-
-
-def test_performance_doc_floors_and_results_block_are_current(tmp_path):
-    doc = BENCH.parent.parent / "docs" / "performance.md"
-    text = doc.read_text(encoding="utf-8")
-    shapes = [harness.SHAPES[n] for n in harness.DEFAULT_SHAPES]
-    assert harness.floors_table(shapes) in text  # regenerate the doc's table if this fails
-    copy = tmp_path / "performance.md"
-    copy.write_text(text, encoding="utf-8")
-    rows = _rows()
-    plot.update_doc(str(copy), plot.markdown(rows, dict(META, peak_tflops=790.0)))
-    new = copy.read_text(encoding="utf-8")
-    assert "Placeholder: no GPU run recorded yet" not in new
-    assert "| ref | 1 | 4096 | 8192 | 64 | 2048 | bwd_det | 20.000 |" in new
-    head, tail = text.split(plot.BEGIN_MARK)[0], text.split(plot.END_MARK)[1]
-    assert new.startswith(head) and new.endswith(tail)
-    plot.update_doc(str(copy), "again")  # the markers survive an update
-    assert plot.BEGIN_MARK + "\nagain\n" + plot.END_MARK in copy.read_text(encoding="utf-8")
+    meta = dict(META, peak_tflops=790.0, peak_source="measured matmul_bf16", copy_tbs=4.3,
+                copy_source="measured")
+    harness.write_json({"meta": meta, "rows": rows}, str(tmp_path / "results.json"))
+    doc = tmp_path / "performance.md"
+    text = (REPO_ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    doc.write_text(text, encoding="utf-8")
+    assert plot.main(["--markdown", str(tmp_path / "results.json"), "--update", str(doc)]) == 0
+    new = doc.read_text(encoding="utf-8")
+    block = new.split(plot.BEGIN_MARK)[1].split(plot.END_MARK)[0]
+    assert block.strip().splitlines()[0] == (
+        "Run: Test GPU, torch 9.9, tilelang 0.1.15, T, commit abc; peak 790 TFLOP/s (measured "
+        "matmul_bf16), copy 4.30 TB/s (measured); x floor = median ms over max(FLOPs / peak, "
+        "min bytes / copy rate).")
+    # 2,954.9 GFLOP in 20 ms = 147.7 TFLOP/s = 18.7% of 790; floor 3.74 ms -> 5.3x
+    assert ("| ref | 1 | 4096 | 8192 | 64 | 2048 | bwd_det | 20.000 | 19.800-20.200 | 147.7 "
+            "| 18.7% | 5.3 | 1,234 | 1.33 | yes |") in block
+    assert "| tp8 | 1 | 4096 | 8192 | 8 | 2048 | bwd_det | skipped: oom | - |" in block
+    assert new.split(plot.BEGIN_MARK)[0] == text.split(plot.BEGIN_MARK)[0]
+    assert new.split(plot.END_MARK)[1] == text.split(plot.END_MARK)[1]
     bad = tmp_path / "bad.md"
     bad.write_text("no markers", encoding="utf-8")
     with pytest.raises(ValueError, match="markers"):
         plot.update_doc(str(bad), "x")
 
 
-def test_fill_rates_floor_and_bandwidth():
-    r = harness.make_row(REF, "bwd_det", META, ms=7.48)
-    harness.fill_rates(r, harness.bwd_flops(REF), 790.0, harness.bwd_min_bytes(REF), 4.3)
-    assert r["floor_ms"] == pytest.approx(harness.bwd_flops(REF) / 790e12 * 1e3)
-    assert r["x_floor"] == pytest.approx(7.48 / r["floor_ms"]) and 1.9 < r["x_floor"] < 2.1
-    assert r["tbs"] == pytest.approx(harness.bwd_min_bytes(REF) / 7.48e-3 / 1e12)
-    untimed = harness.fill_rates(harness.make_row(REF, "fwd", META), 1e12, 790.0, 1e9, 4.3)
-    assert all(untimed[k] is None for k in ("tflops", "tbs", "floor_ms", "x_floor"))
+def test_recorded_results_regenerate_the_doc_block():
+    """docs/perf/h200-latest.json (a results.json of the old tool) still reads, and gives the
+    block docs/performance.md holds."""
+    text = (REPO_ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    body = plot.markdown(*plot.load_results(str(REPO_ROOT / "docs" / "perf" / "h200-latest.json")))
+    assert plot.BEGIN_MARK + "\n" + body + "\n" + plot.END_MARK in text
 
 
-def test_gpu_code_path_end_to_end_through_the_interface_on_cpu(monkeypatch):
-    """The benchmark's non-stand-in path (our wrappers, out/lse from our forward, repeat check)
-    with the interface's CPU stand-in provider in place of the TileLang kernels."""
-    torch = pytest.importorskip("torch")
-    try:
-        from paddlefleet.tilelang_ops.attn import interface
-        from helpers import CpuStandIn
-    except Exception as e:  # noqa: BLE001 - interface or its stand-in not there (yet)
-        pytest.skip(f"interface stand-in unavailable: {type(e).__name__}: {e}")
-    monkeypatch.setattr(interface, "_DEFAULT_PROVIDER", CpuStandIn())
-    a = bench_sparse_mqa.parse_args(["--shapes", "tiny", "--no-check-indices"])
-    fns, skipped = bench_sparse_mqa.load_functions(torch, ["bwd_det", "bwd_atomic"], False,
-                                                   print, check_indices=False)
-    assert not skipped and set(fns) == {"fwd", "bwd_det", "bwd_atomic"}  # fwd: for out/lse
-    sets = bench_sparse_mqa.make_input_sets(torch, TINY, a, "cpu")
-    bench_sparse_mqa.add_out_lse(torch, sets, fns["fwd"])
-    assert sets[0]["out"].dtype == torch.bfloat16 and sets[0]["lse"].dtype == torch.float32
-    be = bench_sparse_mqa.Backend(torch, cpu=True)
-    for v in ("bwd_det", "bwd_atomic"):
-        res = bench_sparse_mqa.time_variant(be, fns[v], [(i,) for i in sets], warmup=0, reps=2,
-                                            check_repeat=True)
-        assert res["reps"] == 2 and res["note"] is None, v  # finite outputs
-        if v == "bwd_det":
-            assert res["repeatable"] is True
-    # what the benchmark times is the backward of these inputs (fp32 reference, rel. L2)
-    from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_bwd_ref
-
-    i = sets[1]
-    dq, dkv, d_sink = fns["bwd_det"](i)
-    rq, rkv, rs = mqa_latent_sparse_bwd_ref(i["q"], i["kv"], i["out"], i["dO"], i["lse"],
-                                            i["sink"], i["idx"], i["sm_scale"])
-    for x, r in ((dq, rq), (dkv, rkv), (d_sink, rs)):
-        err = (x.float() - r).norm() / r.norm()
-        assert err < 1e-2, float(err)
+# --- the partition mode's rows and table -------------------------------------------------------
 
 
-# --- tools/kernel_timing.py ------------------------------------------------------------------
+def test_partition_rows_and_table():
+    parts = model.partition_shapes(REF)
+    meta = dict(META, peak_tflops=790.0, copy_tbs=4.3)
+    rows = []
+    for i, s in enumerate(dict.fromkeys(s for _, _, s in parts)):
+        for v, ms in (("fwd", 1.0 + i), ("bwd_det", 10.0 + i)):
+            rows.append(harness.make_row(s, v, meta, ms=ms, peak_mem_mb=100.0 + i,
+                                         extra_mem_mb=50.0))
+    rows[-1] = harness.make_row(parts[-1][2], "bwd_det", meta, status="skipped: out of memory")
+    core = {r["variant"]: r for r in bench.partition_rows(parts, rows, meta)}
+    assert list(core) == [f"core_{p}_tp{t}" for t in (1, 2, 4, 8) for p in ("heads", "seq")]
+    assert core["core_heads_tp1"]["ms"] == core["core_seq_tp1"]["ms"] == 11.0
+    assert core["core_seq_tp2"]["ms"] == 3.0 + 12.0  # the third shape timed: ref-seq-tp2
+    assert (core["core_heads_tp8"]["shape"], core["core_heads_tp8"]["H"]) == ("ref", 8)
+    assert core["core_seq_tp8"]["status"].startswith("not run: fwd ok; bwd_det skipped")
+    assert core["core_seq_tp2"]["a2a_mb"] == pytest.approx(285.212672)
+    assert core["core_heads_tp2"]["a2a_mb"] is None
+    flops = sum(model.work(parts[3][2], p)[0] for p in ("fwd", "bwd"))
+    assert core["core_seq_tp2"]["tflops"] == pytest.approx(flops / 15.0 / 1e9)
+    table = bench.partition_table(list(core.values())).splitlines()
+    assert table[0].startswith("| variant | S | H | fwd + bwd_det ms | x TP=1 |")
+    assert table[5].startswith("| core_seq_tp2 | 2048 | 64 | 15.000 | 1.364 | 285.2 |")
+    assert "| core_seq_tp8 | 512 | 64 | not run: fwd ok; bwd_det skipped" in table[9]
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def test_parse_args(monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    a = bench.parse_args([])
+    assert (a.reps, a.warmup, a.sets, a.ref_reps, a.out) == (50, 5, 3, 3, str(BENCH / "results"))
+    assert [s.name for s in a.shape_list] == list(model.DEFAULT_SHAPES)
+    assert a.variant_list == list(bench.VARIANTS) and a.ref_shape_names == {"tiny", "tp8", "ref"}
+    q = bench.parse_args(["--quick", "--no-ref", "--shapes", "ref,tp8,h128,fleet,b2,tp4"])
+    assert (q.reps, q.warmup, q.variant_list) == (20, 2, ["fwd", "bwd_atomic", "bwd_det"])
+    assert [s.name for s in bench.parse_args(["--cpu-standin"]).shape_list] == ["tiny"]
+    part = bench.parse_args(["--partition"])
+    assert part.variant_list == ["fwd", "bwd_det"] and len(part.shape_list) == 7  # tp1 once
+    monkeypatch.setenv("OUT", "/somewhere")
+    assert bench.parse_args([]).out == "/somewhere"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shapes", "nosuch"], "--shapes: unknown shape 'nosuch'; known: "),
+    (["--ref-shapes", "nosuch"], "--ref-shapes: unknown shape 'nosuch'"),
+    (["--variants", "fwd,bogus"], "--variants: unknown ['bogus']"),
+    (["--sets", "2"], "--sets must be >= 3"),
+    (["--reps", "0"], "--reps and --ref-reps must be >= 1"),
+    (["--partition", "--shapes", "ref,tp8"], "--partition: times fwd and bwd_det"),
+    (["--partition", "--variants", "fwd"], "--partition: times fwd and bwd_det"),
+    (["--stages", "--cpu-standin"], "--stages times the kernels' launches"),
+])
+def test_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        bench.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and message in errors[0], err
+
+
+def test_dry_run_prints_the_floors_and_the_all_to_all_bytes(capsys):
+    assert bench.main(["--dry-run", "--partition"]) == 0
+    out = capsys.readouterr().out
+    assert "| ref-seq-tp8 | B=1 S=512 S_kv=8192 H=64 topk=2048 | fwd | 146 |" in out
+    assert "TP=2 285.2 MB, TP=4 213.9 MB, TP=8 124.8 MB" in out
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the message printed where there is no CUDA")
-@pytest.mark.parametrize("args, message", [
-    ([], "needs "),  # PyTorch with CUDA / a CUDA device, whichever is missing here
-    (["--heads", "0"], "argument --heads: expected an int >= 1, got 0"),
-])
-def test_kernel_timing_without_cuda_is_a_usage_error(args, message):
-    import subprocess
+def test_without_cuda_the_gpu_modes_say_so(tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert bench.main(["--stages", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device; --cpu-standin runs the tool on CPU" in capsys.readouterr().err
 
-    res = subprocess.run([sys.executable, str(BENCH.parent / "kernel_timing.py"), *args],
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr
-    errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and message in errors[0], res.stderr
+
+# --- runs on CPU -------------------------------------------------------------------------------
+
+
+def test_causal_indices_on_device_keep_the_causal_semantics():
+    torch = pytest.importorskip("torch")
+    s = model.Shape("t", B=2, S=40, S_kv=48, H=1, topk=16)
+    idx = bench.causal_topk_indices_torch(torch, s, torch.Generator().manual_seed(3), "cpu",
+                                          row_chunk=7)
+    assert idx.shape == (2, 40, 16) and idx.dtype == torch.int32
+    for b in range(2):
+        for r in range(40):
+            pos = s.S_kv - s.S + r
+            n_valid = min(16, pos + 1)
+            row = idx[b, r].tolist()
+            assert row[n_valid:] == [-1] * (16 - n_valid), (b, r)  # -1 padding at the end
+            assert len(set(row[:n_valid])) == n_valid and max(row[:n_valid]) <= pos, (b, r)
+    assert idx[0, -1].tolist() != list(range(16)) and idx[0, -1].tolist() != idx[1, -1].tolist()
+
+
+def _standin_run(tmp_path, *extra):
+    return bench.main(["--cpu-standin", "--reps", "2", "--warmup", "0", "--ref-reps", "1",
+                       "--no-progress", "--no-plot", "--out", str(tmp_path), *extra])
+
+
+def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert _standin_run(tmp_path, "--matmul-n", "64", "--copy-mb", "1") == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    rows = payload["rows"]
+    assert [r["variant"] for r in rows] == ["matmul_fp32", "copy", "fwd", "bwd_atomic",
+                                            "bwd_det", "ref_fwd", "ref_bwd"]
+    assert all(r["status"] == "ok" for r in rows) and all(set(r) == set(harness.FIELDS)
+                                                          for r in rows)
+    meta = payload["meta"]
+    assert meta["peak_tflops"] == rows[0]["tflops"] and meta["copy_tbs"] == rows[1]["tbs"]
+    assert rows[1]["tbs"] == pytest.approx(2 * 2**20 / rows[1]["ms"] / 1e9)
+    for r in rows[2:]:
+        assert r["reps"] == (1 if r["variant"].startswith("ref") else 2)
+        assert r["ms_min"] <= r["ms_p20"] <= r["ms"] <= r["ms_p80"] <= r["ms_max"]
+        assert r["tflops"] == pytest.approx(model.work(model.SHAPES["tiny"], "fwd" if "fwd" in r["variant"] else "bwd")[0]
+                                            / r["ms"] / 1e9)
+        assert r["repeatable"] is (None if r["variant"].startswith("ref") else True)
+    # the reference rows check our outputs (here: the reference itself, out rounded to bf16)
+    assert rows[5]["note"].startswith("fwd vs reference, rel. L2: out ")
+    errors = dict(x.rsplit(" ", 1) for x in rows[5]["note"].split(": ", 1)[1].split(", "))
+    assert set(errors) == {"out", "lse"} and 1e-4 < float(errors["out"]) < 1e-2
+    assert float(errors["lse"]) == 0.0
+    assert rows[6]["note"] == "bwd_det vs reference, rel. L2: dq 0.0e+00, dkv 0.0e+00, d_sink 0.0e+00"
+    det, atomic = rows[4], rows[3]
+    assert det["det_over_atomic"] == pytest.approx(det["ms"] / atomic["ms"])
+    assert det["note"] == "cpu-standin: reference"
+    assert len((tmp_path / "results.csv").read_text().splitlines()) == 1 + len(rows)
+    assert capsys.readouterr().out.rstrip().endswith((tmp_path / "table.txt").read_text().rstrip())
+
+
+def _failing(monkeypatch, variant, error):
+    real = bench.load_functions
+
+    def load(*args, **kwargs):
+        fns = real(*args, **kwargs)
+
+        def boom(inp, provider=None):
+            raise error
+
+        fns[variant] = boom
+        return fns
+
+    monkeypatch.setattr(bench, "load_functions", load)
+
+
+def test_out_of_memory_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    _failing(monkeypatch, "bwd_atomic", torch.cuda.OutOfMemoryError("CUDA out of memory. Tried"))
+    assert _standin_run(tmp_path, "--matmul-n", "0", "--copy-mb", "0", "--no-ref") == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert rows["fwd"]["status"] == "ok"
+    assert rows["bwd_atomic"]["status"] == "skipped: out of memory (CUDA out of memory. Tried)"
+    assert rows["bwd_det"]["status"] == rows["bwd_atomic"]["status"]  # the rest of the shape
+
+
+def test_any_other_error_stops_the_run_after_saving(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    _failing(monkeypatch, "bwd_det", RuntimeError("kernel exploded"))
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        _standin_run(tmp_path, "--matmul-n", "0", "--copy-mb", "0", "--no-ref")
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["variant"], r["status"]) for r in rows] == [("fwd", "ok"), ("bwd_atomic", "ok")]
+
+
+def test_our_wrappers_get_the_benchmark_arguments():
+    """Without a provider, our wrappers reach their device check: the benchmark calls them with
+    arguments they accept."""
+    torch = pytest.importorskip("torch")
+    fns = bench.load_functions(torch, cpu_standin=False, check_indices=False)
+    inp = bench.make_input_sets(torch, model.SHAPES["tiny"], "cpu")[0]
+    inp["out"], inp["lse"] = torch.zeros(1, 64, 16, 512, dtype=torch.bfloat16), torch.zeros(1, 64, 16)
+    for v in bench.OURS:
+        with pytest.raises(ValueError, match="(?i)cuda"):
+            fns[v](inp)
+
+
+@pytest.mark.parametrize("margin", [None, -40])
+def test_stage_timing_through_the_interface_on_cpu(monkeypatch, margin):
+    """--stages' provider around the CPU kernels of helpers.CpuStandIn: every launch is a stage,
+    and the exact dKV's statistics count the keys of the inputs (all of them re-run when the first
+    pass's grid is 2^40 too fine)."""
+    torch = pytest.importorskip("torch")
+    from paddlefleet.tilelang_ops.attn import interface
+
+    if margin is not None:
+        monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+    clock = harness.Clock()
+    s = model.Shape("t", 1, 8, 24, 16, 8)
+    sets = bench.make_input_sets(torch, s, "cpu")
+    fns = bench.load_functions(torch, cpu_standin=False, check_indices=True)
+    for inp in sets:
+        inp["out"], inp["lse"] = fns["fwd"](inp, provider=CpuStandIn())
+    reports = {v: bench.stage_report(torch, clock, fns[v], sets, 2, CpuStandIn())
+               for v in bench.OURS}
+    rest = ["rest of the call", "call"]
+    assert list(reports["fwd"]) == ["fwd kernel"] + rest
+    assert list(reports["bwd_atomic"]) == ["preprocess", "main"] + rest
+    det = reports["bwd_det"]
+    assert list(det) == ["preprocess", "main", "main re-run"] + rest + ["exact"]
+    assert det["call"] > det["main"] > 0
+    last = sets[2 % 3]["idx"]  # the last of the three calls
+    keys, slots = torch.unique(last[last >= 0]).numel(), int((last >= 0).sum())
+    e = det["exact"]
+    assert e["keys"] == keys
+    assert (e["keys_rerun"], e["slots_rerun"]) == ((0, 0) if margin is None else (keys, slots))
+    room = e["headroom_bits"]
+    assert room == sorted(room) and (room[0] >= 0 if margin is None else room[0] < 0)
+    lines = bench.stage_lines("t bwd_det", det)
+    assert lines[0].startswith("t bwd_det stages, ms (median): preprocess ")
+    assert lines[1].startswith(f"t bwd_det exact dKV: {e['keys_rerun']} of {keys} keys re-run "
+                               f"({e['slots_rerun']} slots); head-room bits min/p1/p50/p99/max ")

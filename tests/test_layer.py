@@ -315,8 +315,12 @@ def test_one_document_equals_no_cu_seqlens(rng):
         np.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
 
 
-def test_packed_errors(rng):
-    cfg = get_preset("deepseek_v32_small", backward_backend="reference")
+@pytest.mark.parametrize("partition", ["heads", "sequence"])
+def test_packed_errors(rng, partition):
+    """The same messages for both attention partitions (with "sequence" the layer checks the
+    indices itself, on all rows, before any exchange)."""
+    cfg = get_preset("deepseek_v32_small", backward_backend="reference",
+                     attention_partition=partition)
     layer = MQALatentAttention(cfg)
     cu = cu_seqlens_from_lengths([5, 9, 2])
     x = paddle.to_tensor(rng.standard_normal((1, 16, cfg.hidden_size)).astype(np.float32))
@@ -352,3 +356,36 @@ def test_packed_errors(rng):
     with pytest.raises(ValueError, match=r"^token_indices: row 5 \(document 1, rows \[5, 14\).*"
                                          r"key 4.*\(2 such row\(s\)\)"):
         layer(x, t(bad), cu_seqlens=t(cu))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+def test_sequence_partition_on_one_rank_is_the_heads_path(rng, sink, packed):
+    """With one rank the "sequence" partition has nothing to exchange or pad: output and every
+    gradient equal the "heads" run bit for bit (tests/multi_card_tests compare TP 2-8)."""
+    cfg, full, x, idx, gy = _case(rng, sink=sink, B=1 if packed else 2, S=21, topk=8)
+    cu = None
+    if packed:
+        cu = cu_seqlens_from_lengths([4, 0, 17])
+        idx = varlen_causal_topk_indices(cu, 8, seed=int(rng.integers(1 << 30)))
+    runs = []
+    for partition in ("heads", "sequence"):
+        layer = MQALatentAttention(cfg.replace(attention_partition=partition))
+        layer.load_full_weights(full)
+        runs.append(_run_layer(layer, x, idx, gy, cu=cu))
+    (y0, dx0, g0), (y1, dx1, g1) = runs
+    assert np.abs(y0).max() > 0 and np.abs(dx0).max() > 0
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(dx1, dx0)
+    assert set(g1) == set(g0)
+    for name in g0:
+        assert np.abs(g0[name]).max() > 0, name
+        np.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
+
+
+def test_sequence_partition_checks_index_values_before_the_core(rng):
+    cfg, full, x, idx, _ = _case(rng, B=1, S=12, topk=4)
+    layer = MQALatentAttention(cfg.replace(attention_partition="sequence"))
+    idx[0, 11, 0] = 12  # one past S_kv
+    with pytest.raises(ValueError, match="token_indices"):
+        layer(paddle.to_tensor(x), paddle.to_tensor(idx))

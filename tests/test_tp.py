@@ -25,6 +25,7 @@ def test_collectives_on_one_rank_and_their_pylayers(rng, monkeypatch):
     assert default_tensor_parallel_group() is None and tp.group_world_size() == 1
     x = paddle.to_tensor(rng.standard_normal((3, 4)).astype(np.float32), stop_gradient=False)
     assert copy_to_tensor_parallel(x) is x and reduce_from_tensor_parallel(x) is x
+    assert tp.all_to_all(x, 0, 1) is x and tp.gather_from_tensor_parallel(x) is x
 
     calls = []
 

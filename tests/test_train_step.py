@@ -73,10 +73,14 @@ def test_train_step_help_shows_defaults_and_examples():
                  "--seq-len SEQ_LEN tokens per sequence (default: 4096 on a GPU, 512 on CPU)",
                  "(default: min(config index_topk, --seq-len))",
                  "--timeout TIMEOUT seconds before", "default: 600)",
-                 "--config CONFIG preset name", "(default: deepseek_v32 on a GPU, "):
+                 "--config CONFIG preset name", "(default: deepseek_v32 on a GPU, ",
+                 "--attention-partition {heads,sequence} override the config's "
+                 "attention_partition"):
         assert text in out, text
     assert "Examples: # CPU, small preset" in out
     assert "python tools/train_step.py --config deepseek_v32_small --nproc 4" in out
+    assert ("python tools/train_step.py --config deepseek_v32_small --attention-partition "
+            "sequence --nproc 8") in out
 
 
 @pytest.mark.parametrize("sig_name, code", [("SIGINT", 130), ("SIGTERM", 143)])
@@ -124,6 +128,8 @@ def test_train_step_exits_nonzero_on_nan():
                             "(--seq-len), got 600"),
         (("--seq-len", "64", "--topk", "65"), "argument --topk: expected at most the sequence "
                                               "length 64 (--seq-len), got 65"),
+        (("--attention-partition", "rows"),
+         "argument --attention-partition: invalid choice: 'rows'"),
         (("--inject-nan", "-1"), "argument --inject-nan: expected a step in [0, 5) (--steps 5), "
                                  "got -1"),
         (("--steps", "3", "--inject-nan", "99"), "argument --inject-nan: expected a step in "

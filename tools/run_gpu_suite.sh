@@ -8,7 +8,9 @@
 #      kernels' compilation (tests/test_interface.py, tests/test_tiling.py,
 #      tests/test_kernel_compile.py)
 #   4. compute-sanitizer memcheck of one small case (H=8, -1 rows), when compute-sanitizer exists
-#   5. kernel timings at the reference shape (tools/kernel_timing.py)
+#   5. stage timing at the reference shape (tools/bench/bench_sparse_mqa.py --stages: each
+#      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
+#      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
 #   6. the benchmark (tools/bench/run.sh, when present; $BENCH_ARGS, default
 #      "--quick --budget-s 240", keeps the whole suite inside a 10-minute call)
 # Logs: $OUT/suite.log and $OUT/pytest.log (or ./gpu-suite-logs/ without $OUT); the benchmark
@@ -59,8 +61,10 @@ if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
   rm -f "$LOG/memcheck.tmp"
 fi
 
-step kernel timing
-python3 tools/kernel_timing.py --heads 64 2>&1 | tee -a "$SUITE"
+step stage timing
+python3 tools/bench/bench_sparse_mqa.py --stages --shapes ref --no-ref --no-check-indices \
+  --no-sink --reps 10 --warmup 3 --matmul-n 0 --copy-mb 0 --no-plot --no-progress \
+  --out "$LOG/stages" 2>&1 | grep -v "TileLang:" | tee -a "$SUITE"
 
 if [[ $BENCH == 1 && -f tools/bench/run.sh ]]; then
   step benchmark

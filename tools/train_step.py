@@ -14,6 +14,8 @@ Examples:
     # the same, heads split over 4 ranks (re-launches itself with paddle.distributed.launch;
     # the terminal shows rank 0's lines, every rank's full log is in the folder it names)
     python tools/train_step.py --config deepseek_v32_small --nproc 4
+    # 8 ranks, the attention core split by query rows (all heads on S/8 rows per rank)
+    python tools/train_step.py --config deepseek_v32_small --attention-partition sequence --nproc 8
     # packed documents of 100, 412 and 0 tokens in one row (B = 1, cu_seqlens, per-document
     # causal top-k indices, RoPE restarting in each document)
     python tools/train_step.py --config deepseek_v32_small --doc-lens 100,412,0
@@ -95,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: deepseek_v32 on a GPU, deepseek_v32_small on CPU)")
     p.add_argument("--backward-backend", choices=("tilelang", "reference"), default=None,
                    help="override the config's backward_backend (default: the config's)")
+    p.add_argument("--attention-partition", choices=("heads", "sequence"), default=None,
+                   help="override the config's attention_partition: split the attention core "
+                        "over the --nproc ranks by heads, or by query rows with all heads per "
+                        "rank (all-to-all before and after the core; default: the config's)")
     p.add_argument("--steps", type=_positive_int, default=5,
                    help="training steps (default: %(default)s)")
     p.add_argument("--batch", type=_positive_int, default=1,
@@ -218,6 +224,8 @@ def _load_config(args, on_gpu: bool, world: int):
     overrides = {"tensor_parallel_degree": world}
     if args.backward_backend is not None:
         overrides["backward_backend"] = args.backward_backend
+    if args.attention_partition is not None:
+        overrides["attention_partition"] = args.attention_partition
     name = args.config or ("deepseek_v32" if on_gpu else "deepseek_v32_small")
     try:
         cfg = load_config(name, **overrides)
@@ -318,7 +326,7 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
     log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
         f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
         f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
-        f"device {'gpu' if on_gpu else 'cpu'}")
+        f"attention partition {cfg.attention_partition}, device {'gpu' if on_gpu else 'cpu'}")
 
     layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=layer.parameters())

@@ -27,13 +27,24 @@ CASES = {
     "h48": dict(num_attention_heads=48, use_attn_sink=True),
     "h64_packed": dict(num_attention_heads=64, use_attn_sink=True),
     "h48_packed": dict(num_attention_heads=48, use_attn_sink=False),
+    "h64_s45": dict(num_attention_heads=64, use_attn_sink=True),
+    "h48_s45": dict(num_attention_heads=48, use_attn_sink=True),
+    "h48_packed_s45": dict(num_attention_heads=48, use_attn_sink=True),
+    "h48_s3": dict(num_attention_heads=48, use_attn_sink=True),
 }
 BATCH, SEQ, TOPK = 2, 48, 32
-#: Packed cases: B = 1, documents of these lengths (sum SEQ) back to back, cu_seqlens given.
-DOC_LENS = {"h64_packed": [3, 1, 25, 0, 19], "h48_packed": [30, 2, 16]}
+#: Cases whose sequence length is not SEQ.  45 is divisible by none of 2, 4, 8: the sequence
+#: partition pads it to 46, 48 and 48 rows (at TP 8 the last rank holds 3 rows and 3 pad rows).
+#: 3 at TP 8: one row per rank, ranks 3..7 hold only pad rows.
+SEQ_OF = {"h64_s45": 45, "h48_s45": 45, "h48_packed_s45": 45, "h48_s3": 3}
+#: Packed cases: B = 1, documents of these lengths (sum: the case's S) back to back, cu_seqlens.
+DOC_LENS = {"h64_packed": [3, 1, 25, 0, 19], "h48_packed": [30, 2, 16],
+            "h48_packed_s45": [7, 0, 31, 7]}
+#: The attention partitions a case runs with (config.attention_partition).
+PARTITIONS = ("heads", "sequence")
 
 
-def case_config(name: str, tp: int):
+def case_config(name: str, tp: int, partition: str = "heads"):
     return get_preset(
         "deepseek_v32_small",
         **CASES[name],
@@ -41,6 +52,7 @@ def case_config(name: str, tp: int):
         initializer_range=0.1,
         backward_backend="reference",
         tensor_parallel_degree=tp,
+        attention_partition=partition,
     )
 
 
@@ -55,29 +67,30 @@ def case_inputs(name: str):
         if key.endswith("norm_weight"):
             full[key] = (1.0 + 0.1 * rng.standard_normal(full[key].shape)).astype(np.float32)
     cu = None
-    batch = BATCH
+    batch, seq = BATCH, SEQ_OF.get(name, SEQ)
     if name in DOC_LENS:
         cu = cu_seqlens_from_lengths(DOC_LENS[name])
-        assert int(cu[-1]) == SEQ
+        assert int(cu[-1]) == seq
         batch = 1
-    x = rng.standard_normal((batch, SEQ, cfg.hidden_size)).astype(np.float32)
+    x = rng.standard_normal((batch, seq, cfg.hidden_size)).astype(np.float32)
     if cu is None:
-        idx = causal_topk_indices(BATCH, SEQ, SEQ, TOPK, seed=5)  # early rows are -1 padded
+        idx = causal_topk_indices(BATCH, seq, seq, TOPK, seed=5)  # early rows are -1 padded
     else:
         idx = varlen_causal_topk_indices(cu, TOPK, seed=5)  # causal inside each document
-    grad_y = rng.standard_normal((batch, SEQ, cfg.hidden_size)).astype(np.float32)
+    grad_y = rng.standard_normal((batch, seq, cfg.hidden_size)).astype(np.float32)
     return full, x, idx, grad_y, cu
 
 
-def run_case(name: str, tp: int, group=None) -> dict:
-    """Forward + backward of ``sum(y * grad_y)`` on this process's shard; numpy results:
-    ``y``, ``dx`` and ``grad.<param>`` for every local parameter."""
+def run_case(name: str, tp: int, group=None, partition: str = "heads") -> dict:
+    """Forward + backward of ``sum(y * grad_y)`` on this process's shard with the given
+    attention partition; numpy results: ``y``, ``dx`` and ``grad.<param>`` for every local
+    parameter."""
     import paddle
 
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
 
     full, x_np, idx_np, gy_np, cu = case_inputs(name)
-    layer = MQALatentAttention(case_config(name, tp), group=group)
+    layer = MQALatentAttention(case_config(name, tp, partition), group=group)
     layer.load_full_weights(full)
     x = paddle.to_tensor(x_np, stop_gradient=False)
     y = layer(x, paddle.to_tensor(idx_np), cu_seqlens=None if cu is None else paddle.to_tensor(cu))

@@ -1,29 +1,114 @@
 """Rank process of the tensor-parallel tests (launched by paddle.distributed.launch).
 
-Usage: tp_worker.py OUT_DIR CASE [CASE ...]
-Writes OUT_DIR/<case>_rank<r>.npz per case; the pytest process does the comparing, so a
-mismatch is reported there with names and errors instead of a crashed rank.
+Usage: tp_worker.py OUT_DIR SPEC [SPEC ...]
+
+A SPEC is ``CASE@PARTITION`` (a layer case of tp_case.py run with that attention partition),
+``CASE@sequence+alltoall`` (the same through the ``dist.alltoall`` branch, see below) or
+``exchange`` (the collectives of tp.py on known data, both branches).  Writes
+OUT_DIR/<spec>_rank<r>.npz per spec; the pytest process does the comparing, so a mismatch is
+reported there with names and errors instead of a crashed rank.
+
+The ``dist.alltoall`` branch: gloo has no all-to-all in Paddle 3.3.1 (tp.py's docstring), so
+on CPU tp.py takes its all-gather fallback.  ``+alltoall`` makes tp.py take the branch NCCL
+runs, with ``dist.alltoall`` replaced by :func:`_alltoall_by_scatter`, its documented semantics
+built from ``dist.scatter`` (which gloo has; a construction independent of the fallback's).
 """
 
+import contextlib
 import os
 import sys
 
 import numpy as np
+import paddle
 import paddle.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_case import run_case  # noqa: E402
 
+from paddlefleet.tilelang_ops.attn import tp  # noqa: E402
+
+#: Calls of the stand-in, counted so a run that never took the branch fails.
+_ALLTOALL_CALLS = []
+
+
+def _alltoall_by_scatter(out_tensor_list, in_tensor_list, group=None, sync_op=True):
+    """``dist.alltoall``'s documented semantics: ``out_tensor_list[i]`` (filled when empty)
+    receives what rank ``i`` put at this rank's index of its ``in_tensor_list``."""
+    _ALLTOALL_CALLS.append(len(in_tensor_list))
+    me, n = dist.get_rank(), dist.get_world_size()
+    assert len(in_tensor_list) == n
+    if not out_tensor_list:
+        out_tensor_list += [paddle.empty_like(t) for t in in_tensor_list]
+    for src in range(n):  # rank src sends its chunk j to rank j
+        dist.scatter(out_tensor_list[src], list(in_tensor_list) if me == src else None,
+                     src=src, group=group)
+
+
+@contextlib.contextmanager
+def _alltoall_branch():
+    saved = tp.has_all_to_all, dist.alltoall
+    tp.has_all_to_all, dist.alltoall = (lambda group=None: True), _alltoall_by_scatter
+    try:
+        yield
+    finally:
+        tp.has_all_to_all, dist.alltoall = saved
+
+
+def coded(shape, rank: int, salt: int) -> np.ndarray:
+    """fp32 values that name their rank, salt and position (exact integers)."""
+    return (np.arange(np.prod(shape)).reshape(shape) + 1000 * rank + 100000 * salt).astype(
+        np.float32)
+
+
+def exchange_shapes(world: int):
+    """``(x, y)``: the shapes before and after ``all_to_all(x, 1, 2)``."""
+    return (2, 2 * world, 3, 4), (2, 2, 3 * world, 4)
+
+
+def _exchange(rank: int, world: int) -> dict:
+    """all_to_all both ways and gather_from_tensor_parallel, forward and backward, on coded
+    inputs, through both branches; numpy results for the pytest process.  One backward per
+    graph (Paddle 3.3.1 crashes on a second backward through a PyLayer, docs/layer.md)."""
+    x_shape, y_shape = exchange_shapes(world)
+    s = paddle.to_tensor(coded((3,), rank, 0), stop_gradient=False)
+    g = tp.gather_from_tensor_parallel(s)  # all_gather / all_reduce: one branch
+    (g * paddle.to_tensor(coded((3 * world,), rank, 3))).sum().backward()
+    out = {"gathered": g.numpy(), "d_shard": s.grad.numpy()}
+    for branch in ("fallback", "alltoall"):
+        del _ALLTOALL_CALLS[:]
+        with _alltoall_branch() if branch == "alltoall" else contextlib.nullcontext():
+            x = paddle.to_tensor(coded(x_shape, rank, 0), stop_gradient=False)
+            y = tp.all_to_all(x, 1, 2)  # rows split, heads gathered
+            (y * paddle.to_tensor(coded(y_shape, rank, 1))).sum().backward()
+            out[f"{branch}.y"], out[f"{branch}.dx"] = y.numpy(), x.grad.numpy()
+
+            x = paddle.to_tensor(coded(x_shape, rank, 0), stop_gradient=False)
+            z = tp.all_to_all(tp.all_to_all(x, 1, 2), 2, 1)  # there and back
+            (z * paddle.to_tensor(coded(x_shape, rank, 2))).sum().backward()
+            out[f"{branch}.z"], out[f"{branch}.dx_round_trip"] = z.numpy(), x.grad.numpy()
+        assert len(_ALLTOALL_CALLS) == (6 if branch == "alltoall" else 0), _ALLTOALL_CALLS
+    return out
+
 
 def main():
-    out_dir, cases = sys.argv[1], sys.argv[2:]
+    out_dir, specs = sys.argv[1], sys.argv[2:]
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
-    for name in cases:
-        # group=None: the world group, which is the tensor-parallel group here (gloo sub-groups
-        # are broken on the CPU wheel; Paddle 3.3.1).
-        result = run_case(name, world)
-        np.savez(os.path.join(out_dir, f"{name}_rank{rank}.npz"), **result)
+    for spec in specs:
+        if spec == "exchange":
+            result = _exchange(rank, world)
+        else:
+            name, partition = spec.split("@")
+            branch = partition.endswith("+alltoall")
+            partition = partition.removesuffix("+alltoall")
+            # group=None: the world group, which is the tensor-parallel group here (gloo
+            # sub-groups are broken on the CPU wheel; Paddle 3.3.1).
+            with _alltoall_branch() if branch else contextlib.nullcontext():
+                del _ALLTOALL_CALLS[:]
+                result = run_case(name, world, partition=partition)
+                # forward: query and output; backward: their reverse exchanges
+                assert len(_ALLTOALL_CALLS) == (4 if branch else 0), _ALLTOALL_CALLS
+        np.savez(os.path.join(out_dir, f"{spec}_rank{rank}.npz"), **result)
     dist.barrier()
 
 

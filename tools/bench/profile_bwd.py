@@ -14,18 +14,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
-
-DK, DV = 576, 512
+import bench_sparse_mqa as bench  # puts src/ on sys.path, sets the kernel cache
+import model
 
 
 def ptxas_report(heads_per_cta: int) -> list[str]:
@@ -53,34 +49,25 @@ def ptxas_report(heads_per_cta: int) -> list[str]:
     return lines
 
 
-def profile(heads, seq, seq_kv, topk):
+def profile(s: model.Shape):
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    from paddlefleet.tilelang_ops.attn import interface
-    from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn((1, seq, heads, DK), generator=g, device="cuda").bfloat16()
-    kv = torch.randn((1, seq_kv, DK), generator=g, device="cuda").bfloat16()
-    do = torch.randn((1, seq, heads, DV), generator=g, device="cuda").bfloat16()
-    idx = torch.from_numpy(causal_topk_indices(1, seq, seq_kv, topk, seed=0)).cuda()
-    sm = DK ** -0.5
-    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, None, check_indices=False)
+    inp = bench.make_input_sets(torch, s, "cuda", sets=1, sink=False, sm_scale=s.Dk ** -0.5)[0]
+    fns = bench.load_functions(torch, cpu_standin=False, check_indices=False)
+    inp["out"], inp["lse"] = fns["fwd"](inp)
     for det in (True, False):
-        call = lambda: interface.mqa_latent_sparse_bwd(  # noqa: E731
-            q, kv, out, do, lse, None, idx, sm, deterministic=det, check_indices=False)
+        call = fns["bwd_det" if det else "bwd_atomic"]
         for _ in range(3):
-            call()
+            call(inp)
         torch.cuda.synchronize()
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            call()
+            call(inp)
             torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        events.sort(key=lambda e: -e.device_time_total)
+        events = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
+                        key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events) / 1e3
-        print(f"[profile] deterministic={det} H={heads} S={seq} S_kv={seq_kv} topk={topk}: "
-              f"{total:.3f} ms of kernels", flush=True)
+        print(f"[profile] deterministic={det} {s.dims()}: {total:.3f} ms of kernels", flush=True)
         for e in events[:14]:
             print(f"[profile]   {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} "
                   f"{e.key[:100]}", flush=True)
@@ -94,13 +81,12 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--no-ptxas", action="store_true")
     ns = ap.parse_args(argv)
-    os.environ.setdefault("TILELANG_CACHE_DIR", str(ROOT / ".tilelang-cache"))
     if not ns.no_ptxas and shutil.which("nvcc"):
         from paddlefleet.tilelang_ops.attn import tiling
 
         for line in ptxas_report(tiling.head_plan(ns.heads).heads_per_cta):
             print(line, flush=True)
-    profile(ns.heads, ns.seq, ns.seq_kv, ns.topk)
+    profile(model.Shape("profile", 1, ns.seq, ns.seq_kv, ns.heads, ns.topk))
 
 
 if __name__ == "__main__":

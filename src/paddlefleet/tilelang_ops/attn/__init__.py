@@ -22,6 +22,8 @@ Paddle training (``op``, ``config``, ``layer``, ``tp``):
     init_full_weights           the unsharded weights a layer built with a seed holds
     copy_to_tensor_parallel     identity forward, all-reduce backward
     reduce_from_tensor_parallel all-reduce forward, identity backward
+    all_to_all                  all-to-all forward, the reverse one backward (sequence partition)
+    gather_from_tensor_parallel all-gather forward, all-reduce + own slice backward
 
 Inputs and tests (``checks``, ``indices``):
     check_tensors, Dims         the shared tensor checks and the named sizes they return
@@ -75,6 +77,8 @@ _EXPORTS = {
     "init_full_weights": "layer",
     "copy_to_tensor_parallel": "tp",
     "reduce_from_tensor_parallel": "tp",
+    "all_to_all": "tp",
+    "gather_from_tensor_parallel": "tp",
     # former names, deprecated until the next release
     "sparse_mqa_attention": "op",
     "MLAAttentionConfig": "config",

@@ -27,12 +27,24 @@ from typing import Any, Mapping
 
 from .checks import check_sm_scale
 
-__all__ = ["MQALatentAttentionConfig", "MLAAttentionConfig", "BACKWARD_BACKENDS", "PRESETS",
-           "get_preset", "load_config"]
+__all__ = [
+    "MQALatentAttentionConfig",
+    "MLAAttentionConfig",
+    "ATTENTION_PARTITIONS",
+    "BACKWARD_BACKENDS",
+    "PRESETS",
+    "get_preset",
+    "load_config",
+]
 
 #: Backward implementations :func:`~paddlefleet.tilelang_ops.attn.op.mqa_latent_sparse_attention`
 #: accepts; ``None`` picks ``"tilelang"`` on CUDA and ``"reference"`` on CPU.
 BACKWARD_BACKENDS = ("tilelang", "reference")
+
+#: How :class:`~paddlefleet.tilelang_ops.attn.layer.MQALatentAttention` splits the sparse core
+#: over the tensor-parallel group: ``"heads"`` (each rank: its ``H/TP`` heads, all ``S`` rows)
+#: or ``"sequence"`` (each rank: all ``H`` heads, ``S/TP`` query rows, after an all-to-all).
+ATTENTION_PARTITIONS = ("heads", "sequence")
 
 _POSITIVE_INT_FIELDS = (
     "hidden_size",
@@ -68,6 +80,11 @@ class MQALatentAttentionConfig:
         backward_backend: ``"tilelang"``, ``"reference"`` or ``None`` (tilelang on CUDA,
             reference on CPU).
         tensor_parallel_degree: ranks the heads are split over; must divide the heads.
+        attention_partition: how the sparse attention core is split over those ranks:
+            ``"heads"`` (default; each rank runs its ``H/TP`` heads on all ``S`` query rows) or
+            ``"sequence"`` (each rank runs all ``H`` heads on ``ceil(S/TP)`` query rows, with
+            an all-to-all before and after the core; docs/layer.md).  The parameters are split
+            by heads either way.
         rope_theta: base of the rotary frequencies.
         rms_norm_eps: epsilon of the RMSNorms on the q and kv latents.
         initializer_range: standard deviation of the random weight initialisation.
@@ -85,6 +102,7 @@ class MQALatentAttentionConfig:
     use_attn_sink: bool = True
     backward_backend: str | None = None
     tensor_parallel_degree: int = 1
+    attention_partition: str = "heads"
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
@@ -111,6 +129,11 @@ class MQALatentAttentionConfig:
             raise ValueError(
                 f"MQALatentAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} "
                 f"or None, got {self.backward_backend!r}"
+            )
+        if self.attention_partition not in ATTENTION_PARTITIONS:
+            raise ValueError(
+                f"MQALatentAttentionConfig.attention_partition must be one of "
+                f"{ATTENTION_PARTITIONS}, got {self.attention_partition!r}"
             )
         if self.softmax_scale is not None:
             # The op's own rule (finite and > 0, also in float32), checked here already so

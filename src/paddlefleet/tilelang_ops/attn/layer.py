@@ -25,6 +25,23 @@ replicated weights (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) and of ``x`` a
 identical on every rank; the per-rank weights get exactly their slice of the single-process
 gradient.
 
+``config.attention_partition`` picks how the sparse core (the ``o_lat`` line) is split; the
+parameters are split by heads either way, so a checkpoint serves both:
+
+    "heads"     (default) as above: this rank's ``h`` heads on all ``S`` rows, sink[h].
+    "sequence"  all ``H`` heads on ``R = ceil(S/TP)`` rows per rank::
+
+        q_rows = all_to_all(pad_rows(query), rows -> heads)   [B, R, H, Dk]   rows r*R ..
+        o_rows = mqa_latent_sparse_attention(q_rows, kv, token_indices[rows of r, -1 padded],
+                                             all_gather(sink))  [B, R, H, kv_lora]
+        o_lat  = all_to_all(o_rows, heads -> rows)[:, :S]     [B, S, h, kv_lora]
+
+    The exchanges sit after RoPE and the bf16 cast (so they move the kernel's dtype) and
+    before W_UV; their backward is the reverse exchange.  ``kv``'s gradient on a rank covers
+    its rows only and is summed by the same ``copy_to_tp`` all-reduce as in "heads"; the
+    gathered sink's gradient is all-reduced and sliced (``tp.gather_from_tensor_parallel``).
+    Communication and when it pays: docs/layer.md.
+
 Simplifications (documented, not hidden):
     * RoPE uses the rotate-half layout (first half / second half of the rope channels) with
       positions ``0 .. S-1`` and base ``rope_theta``; DeepSeek uses interleaved pairs, which is
@@ -50,14 +67,17 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 
 from .adapter import type_name
-from .checks import check_cu_seqlens
+from .checks import check_cu_seqlens, check_indices_in_documents, check_tensors, check_values
 from .config import MQALatentAttentionConfig
 from .op import mqa_latent_sparse_attention
 from .tp import (
+    all_to_all,
     copy_to_tensor_parallel,
     default_tensor_parallel_group,
+    gather_from_tensor_parallel,
     group_rank,
     group_world_size,
     reduce_from_tensor_parallel,
@@ -168,6 +188,10 @@ class MQALatentAttention(paddle.nn.Layer):
         seed: seeds the weights (see :func:`init_full_weights`); equal seeds give every TP
             degree the same model.
 
+    ``config.attention_partition`` (``"heads"`` or ``"sequence"``) picks how the attention
+    core is split over the group (module docstring); outputs and gradients are the same
+    either way (up to fp32 summation order).
+
     Forward:
         hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
             dtype when the layer was built, fp32 normally).
@@ -180,6 +204,9 @@ class MQALatentAttention(paddle.nn.Layer):
             0 in every document, and every index of a row must be ``-1`` or a row of its own
             document (``indices.varlen_causal_topk_indices`` builds such indices).  The same on
             every TP rank.
+        ``hidden_states``, ``token_indices`` and ``cu_seqlens`` must be the same on every rank.
+        With ``"sequence"`` the index values (range, documents) are checked on all rows on
+        every rank before the first exchange, so a bad index raises on every rank alike.
         Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
 
     Raises:
@@ -297,6 +324,47 @@ class MQALatentAttention(paddle.nn.Layer):
         starts = np.repeat(cu[:-1], np.diff(cu))  # first row of every row's document
         return cu.astype(np.int32), np.arange(S) - starts
 
+    def _sequence_partitioned_core(self, query, kv, token_indices, cu_seqlens):
+        """The sparse core with ``attention_partition="sequence"``: ``query [B, S, h, Dk]``
+        (this rank's heads, every row, RoPE applied) -> ``o_lat [B, S, h, Dv]``, computed on
+        this rank as all ``H`` heads of rows ``r*R .. (r+1)*R - 1``, ``R = ceil(S / TP)``.
+
+        ``S`` is padded to ``R * TP`` with zero query rows whose indices are all ``-1``: such a
+        row has no key, so its output, ``lse`` contributions, ``dq``, ``dkv`` and ``d_sink``
+        terms are exactly 0 (docs/conventions.md, "Rows with no valid key"), and the pad is cut
+        off after the inverse exchange.  ``kv`` is whole on every rank; its gradient here covers
+        this rank's rows only and is summed over the group by ``copy_to_tensor_parallel``'s
+        backward all-reduce on ``kv`` (the one of the heads partition).  The sink shards are
+        gathered to ``[H]``; :class:`~.tp.GatherFromTensorParallel` sums their gradient over the
+        group and keeps this rank's slice.
+        """
+        c = self.config
+        tp, group = self.tp_size, self.group
+        B, S = query.shape[:2]
+        # Index values are checked here, on all S rows and on every rank, before any exchange:
+        # the op below sees this rank's rows only, and an error raised by some ranks alone
+        # would leave the others waiting in the inverse all-to-all.
+        check_values(check_tensors(query, kv, token_indices, d_v=c.kernel_dv), token_indices)
+        if cu_seqlens is not None:
+            # The op's packed check needs its query rows to be the keys (S_kv = S); here they
+            # are a slice of them, so the check runs on the full indices instead.
+            check_indices_in_documents(token_indices, cu_seqlens)
+        rows = -(-S // tp)
+        pad = rows * tp - S
+        if pad:  # zero rows after row S - 1 (pads from the first axis to the last)
+            query = F.pad(query, [0, 0, 0, pad, 0, 0, 0, 0])
+        q_rows = all_to_all(query, 1, 2, group)  # [B, rows, H, Dk]
+        lo, hi = min(self.tp_rank * rows, S), min((self.tp_rank + 1) * rows, S)
+        idx_rows = token_indices[:, lo:hi]
+        if hi - lo < rows:  # this rank holds pad rows: all slots empty (-1)
+            idx_rows = F.pad(idx_rows, [0, 0, 0, rows - (hi - lo), 0, 0], value=-1)
+        sink = None if self.attn_sink is None else gather_from_tensor_parallel(self.attn_sink, group)
+        o_rows = mqa_latent_sparse_attention(
+            q_rows, kv, idx_rows, c.sm_scale, sink, c.backward_backend, d_v=c.kernel_dv,
+        )
+        o_lat = all_to_all(o_rows, 2, 1, group)  # [B, rows * TP, h, Dv]
+        return o_lat[:, :S] if pad else o_lat
+
     def forward(
         self,
         hidden_states: paddle.Tensor,
@@ -334,10 +402,13 @@ class MQALatentAttention(paddle.nn.Layer):
         on_cuda = hidden_states.place.is_gpu_place()
         if on_cuda:  # the kernels take bf16
             query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
-        o_lat = mqa_latent_sparse_attention(
-            query, kv, token_indices, c.sm_scale, self.attn_sink, c.backward_backend,
-            d_v=c.kernel_dv, cu_seqlens=cu_seqlens,
-        )
+        if c.attention_partition == "sequence":
+            o_lat = self._sequence_partitioned_core(query, kv, token_indices, cu_seqlens)
+        else:
+            o_lat = mqa_latent_sparse_attention(
+                query, kv, token_indices, c.sm_scale, self.attn_sink, c.backward_backend,
+                d_v=c.kernel_dv, cu_seqlens=cu_seqlens,
+            )
         o_lat = o_lat.astype(compute_dtype)
 
         o = paddle.einsum("bshc,hcv->bshv", o_lat, self.w_uv)  # W_UV after the attention

@@ -138,15 +138,22 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     H_pad = T.dynamic("H_pad")
 
     @T.macro
-    def track_and_round(u_cols, stage, j, d4):
-        # running max |c / g| of this thread's 4 staged columns of slot j, taken before the
-        # rounding (so a grid too coarse still shows the size), then the rounding, by the thread
-        # that adds them
-        u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
-            T.max(T.abs(stage[j, d4 * 4]), T.abs(stage[j, d4 * 4 + 1])),
-            T.max(T.abs(stage[j, d4 * 4 + 2]), T.abs(stage[j, d4 * 4 + 3]))))
-        for t in T.serial(4):
-            stage[j, d4 * 4 + t] = T.round(stage[j, d4 * 4 + t])
+    def scatter4(u_cols, r4, stage, dkv_acc, b_i, idx, col, j, d4):
+        # one float4 of staged row j.  Exact mode: the running max |c / g| taken before the
+        # rounding (so a grid too coarse still shows the size), then the rounding, into
+        # registers: rounded in place, the atomic's read of the staging row needed two CTA
+        # barriers per row (TileLang cannot see that each thread reads only what it wrote)
+        if exact:
+            for t in T.serial(4):
+                r4[t] = stage[j, d4 * 4 + t]
+            u_cols[j, d4] = T.max(u_cols[j, d4], T.max(T.max(T.abs(r4[0]), T.abs(r4[1])),
+                                                       T.max(T.abs(r4[2]), T.abs(r4[3]))))
+            for t in T.serial(4):
+                r4[t] = T.round(r4[t])
+            if idx >= 0:
+                T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], r4[0])
+        elif idx >= 0:
+            T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], stage[j, d4 * 4])
 
     @T.prim_func
     def sparse_bwd_main(
@@ -191,6 +198,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
             u_frag = T.alloc_fragment([BK], acc_t)
             sc = T.alloc_local([2], acc_t)
+            r4 = T.alloc_local([4], acc_t)
 
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
@@ -247,12 +255,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                         else:
                             dkv_stage[j, d] = acc_dkv[j, d]
                     for j, d4 in T.Parallel(BK, CW // 4):
-                        if exact:
-                            track_and_round(u_cols, dkv_stage, j, d4)
-                        idx = Indices[b_i, s_i, k_i * BK + j]
-                        if idx >= 0:
-                            T.atomic_addx4(dKV_acc[b_i, idx, c * CW + d4 * 4],
-                                           dkv_stage[j, d4 * 4])
+                        scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
+                                 Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
 
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
@@ -265,12 +269,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 # one layout; the tail's 16 column groups use the first 16 of them
                 for j, d4 in T.Parallel(BK, CW // 4):
                     if d4 < D_tail // 4:
-                        if exact:
-                            track_and_round(u_cols, dkv_tail_stage, j, d4)
-                        idx = Indices[b_i, s_i, k_i * BK + j]
-                        if idx >= 0:
-                            T.atomic_addx4(dKV_acc[b_i, idx, D + d4 * 4],
-                                           dkv_tail_stage[j, d4 * 4])
+                        scatter4(u_cols, r4, dkv_tail_stage, dKV_acc, b_i,
+                                 Indices[b_i, s_i, k_i * BK + j], D, j, d4)
                 if exact:
                     T.reduce_max(u_cols, u_frag, dim=1)
                     T.copy(u_frag, u_stage)
