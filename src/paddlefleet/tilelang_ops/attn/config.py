@@ -121,16 +121,24 @@ class MLAAttentionConfig:
                 f"tensor_parallel_degree, got {self.num_attention_heads} heads and "
                 f"tensor_parallel_degree={self.tensor_parallel_degree}"
             )
-        if self.backward_backend is not None and self.backward_backend not in BACKWARD_BACKENDS:
+        # Strings only (a 0-d numpy array compares equal to a choice, and would then break
+        # hash() and to_json_file); str subclasses (numpy strings, str enums) are stored as
+        # the plain str.
+        backend = self.backward_backend
+        if backend is not None and not (isinstance(backend, str) and backend in BACKWARD_BACKENDS):
             raise ValueError(
                 f"MLAAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} or None, "
-                f"got {self.backward_backend!r}"
+                f"got {backend!r}"
             )
-        if self.attention_partition not in ATTENTION_PARTITIONS:
+        partition = self.attention_partition
+        if not (isinstance(partition, str) and partition in ATTENTION_PARTITIONS):
             raise ValueError(
                 f"MLAAttentionConfig.attention_partition must be one of {ATTENTION_PARTITIONS}, "
-                f"got {self.attention_partition!r}"
+                f"got {partition!r}"
             )
+        if backend is not None:
+            object.__setattr__(self, "backward_backend", str.__str__(backend))
+        object.__setattr__(self, "attention_partition", str.__str__(partition))
         if self.softmax_scale is not None:
             # The op's own rule (finite and > 0, also in float32), checked here already so
             # that a bad config fails when it is built, not at the first forward.
