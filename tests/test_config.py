@@ -188,3 +188,21 @@ def test_bad_json_file_named(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"broken\.json': expected a JSON object.*got a JSON list"):
         MLAAttentionConfig.from_json_file(bad)
+
+
+def test_json_field_given_twice_is_an_error(tmp_path):
+    """A field written twice in a JSON file (an edit that added a line instead of changing
+    one) used to be read silently as its last value: the run used "heads" although the file
+    also says "sequence".  It is a ValueError naming the file and the field."""
+    data = get_preset("deepseek_v32_small").to_dict()
+    del data["attention_partition"]
+    body = json.dumps(data)[:-1] + ', "attention_partition": "sequence", "attention_partition": "heads"}'
+    path = tmp_path / "dup.json"
+    path.write_text(body)
+    assert json.loads(body)["attention_partition"] == "heads"  # what plain json.load makes of it
+    with pytest.raises(ValueError, match=r"^config file '.*dup\.json': field "
+                                         r"'attention_partition' is given 2 times \(values "
+                                         r"'sequence', 'heads'\)$"):
+        load_config(str(path))
+    path.write_text(json.dumps(data)[:-1] + ', "attention_partition": "sequence"}')
+    assert load_config(str(path)).attention_partition == "sequence"  # once: fine

@@ -218,8 +218,8 @@ class MLAAttentionConfig:
 
         Raises:
             OSError: the file cannot be read.
-            ValueError: the file is not valid JSON or not a JSON object (the message names the
-                file), or a field is unknown, missing or invalid.
+            ValueError: the file is not valid JSON or not a JSON object, or gives a field twice
+                (the message names the file), or a field is unknown, missing or invalid.
         """
         return cls.from_dict({**_read_json_object(path), **overrides})
 
@@ -237,9 +237,22 @@ class MLAAttentionConfig:
 def _read_json_object(path: str | os.PathLike) -> dict:
     """The JSON object in ``path``; malformed JSON or another JSON type is a ``ValueError``
     naming the file."""
+    def no_duplicates(pairs):
+        # json.load keeps the last of a repeated key silently; in a config that hides an edit
+        seen = {}
+        for key, value in pairs:
+            seen.setdefault(key, []).append(value)
+        for key, values in seen.items():
+            if len(values) > 1:
+                raise ValueError(
+                    f"config file {os.fspath(path)!r}: field {key!r} is given {len(values)} "
+                    f"times (values {', '.join(map(repr, values))})"
+                )
+        return {key: values[0] for key, values in seen.items()}
+
     with open(path, encoding="utf-8") as f:
         try:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=no_duplicates)
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
