@@ -35,7 +35,7 @@ from conftest import rel_l2
 
 from launcher import launch
 from tp_case import PARTITIONS, run_case
-from tp_worker import coded, exchange_shapes
+from tp_worker import SWITCH_PARTITIONS, coded, exchange_shapes
 
 from paddlefleet.tilelang_ops.attn.layer import shard_of
 
@@ -46,7 +46,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py"
 #: heads (6 per rank) at 4 and 8; S = 48 (divisible by TP) and 45 / 3 (not); packed documents
 #: at TP 2 and 8; every TP degree runs both partitions.
 RUNS = {
-    2: ("errors", "h64@heads", "h64_nosink@heads", "h64_packed@heads",
+    2: ("errors", "switch", "h64@heads", "h64_nosink@heads", "h64_packed@heads",
         "h64@sequence", "h64_s45@sequence", "h64_nosink@sequence", "h64_packed@sequence",
         "h64_s45@sequence+alltoall", "exchange"),
     4: ("h64@heads", "h64_s45@heads",
@@ -160,6 +160,24 @@ def test_sequence_inputs_bad_on_some_ranks_raise_on_every_rank():
     y = _single("h64_s45")["y"]
     for rank in range(tp):
         assert rel_l2(got[rank]["y"], y) <= TOL, rank
+
+
+def test_partition_switched_between_steps_on_one_layer():
+    """The same layer run with "sequence", "heads", "sequence" in turn (its config replaced):
+    every step equals the single-process run (the partition holds no state of its own)."""
+    tp = 2
+    full = _single("h64_s45")
+    failures = []
+    for rank in range(tp):
+        got = _rank_result(tp, "switch", rank)
+        for step, partition in enumerate(SWITCH_PARTITIONS):
+            for key, ref in full.items():
+                name = key.split(".", 1)[1] if key.startswith("grad.") else key
+                want = shard_of(name, ref, rank, tp) if key.startswith("grad.") else ref
+                err = rel_l2(got[f"{step}.{key}"], want)
+                if not err <= TOL:
+                    failures.append(f"rank {rank} step {step} ({partition}) {key}: {err:.3e}")
+    assert not failures, "\n".join(failures)
 
 
 def test_single_process_gradients_are_not_trivial():

@@ -4,8 +4,9 @@ Usage: tp_worker.py OUT_DIR SPEC [SPEC ...]
 
 A SPEC is ``CASE@PARTITION`` (a layer case of tp_case.py run with that attention partition),
 ``CASE@sequence+alltoall`` (the same through the ``dist.alltoall`` branch, see below),
-``exchange`` (the collectives of tp.py on known data, both branches) or ``errors`` (inputs
-that fail the layer's checks on some ranks only, "sequence" partition).  Writes
+``exchange`` (the collectives of tp.py on known data, both branches), ``errors`` (inputs
+that fail the layer's checks on some ranks only, "sequence" partition) or ``switch`` (one
+layer whose partition changes between steps).  Writes
 OUT_DIR/<spec>_rank<r>.npz per spec; the pytest process does the comparing, so a mismatch is
 reported there with names and errors instead of a crashed rank.
 
@@ -138,6 +139,32 @@ def _errors(rank: int, world: int) -> dict:
     return out
 
 
+#: ``switch``: the partitions one layer runs with, step after step.
+SWITCH_PARTITIONS = ("sequence", "heads", "sequence")
+
+
+def _switch(rank: int, world: int) -> dict:
+    """One layer, its config's attention_partition replaced between forward/backward steps
+    (same weights; gradients cleared in between): every step must equal the single-process
+    run.  Keys ``<step>.<result key>``."""
+    import paddle
+
+    full, x_np, idx, gy, _ = case_inputs("h64_s45")
+    layer = MQALatentAttention(case_config("h64_s45", world, "heads"))
+    layer.load_full_weights(full)
+    out = {}
+    for step, partition in enumerate(SWITCH_PARTITIONS):
+        layer.config = layer.config.replace(attention_partition=partition)
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        y = layer(x, paddle.to_tensor(idx))
+        (y * paddle.to_tensor(gy)).sum().backward()
+        out[f"{step}.y"], out[f"{step}.dx"] = y.numpy(), x.grad.numpy()
+        for pname, p in layer.named_parameters():
+            out[f"{step}.grad.{pname}"] = p.grad.numpy()
+        layer.clear_gradients()
+    return out
+
+
 def main():
     out_dir, specs = sys.argv[1], sys.argv[2:]
     dist.init_parallel_env()
@@ -147,6 +174,8 @@ def main():
             result = _exchange(rank, world)
         elif spec == "errors":
             result = _errors(rank, world)
+        elif spec == "switch":
+            result = _switch(rank, world)
         else:
             name, partition = spec.split("@")
             branch = partition.endswith("+alltoall")
