@@ -87,6 +87,35 @@ def test_bad_attention_partition_names_the_field_and_the_choices(value):
     )
 
 
+@pytest.mark.parametrize("field,choice", [("attention_partition", "sequence"),
+                                          ("backward_backend", "reference")])
+def test_choice_fields_take_strings_only_and_store_plain_str(tmp_path, field, choice):
+    """A 0-d numpy string array compares equal to a choice (``np.array('heads') == 'heads'``),
+    so a membership test alone let it in: the config then could not be hashed or written to
+    JSON.  Non-strings are rejected; str subclasses (numpy strings, str enums) are stored as
+    the plain str, so the config equals, hashes and serialises like one built from the str."""
+    import enum
+
+    import numpy as np
+
+    with pytest.raises(ValueError, match=rf"^MQALatentAttentionConfig\.{field} must be one of .*got "
+                                         r"array\("):
+        get_preset("deepseek_v32_small", **{field: np.array(choice)})
+
+    class Choice(str, enum.Enum):
+        member = choice
+
+    plain = get_preset("deepseek_v32_small", **{field: choice})
+    for value in (np.str_(choice), Choice.member):
+        cfg = get_preset("deepseek_v32_small", **{field: value})
+        assert type(getattr(cfg, field)) is str and getattr(cfg, field) == choice
+        assert f"{getattr(cfg, field)}" == choice  # log lines print the choice, not the enum
+        assert cfg == plain and hash(cfg) == hash(plain)
+        path = tmp_path / f"{field}.json"
+        cfg.to_json_file(path)
+        assert json.loads(path.read_text())[field] == choice and load_config(str(path)) == plain
+
+
 def test_attention_partition_default_choices_and_json(tmp_path):
     assert ATTENTION_PARTITIONS == ("heads", "sequence")
     for name in PRESETS:  # today's behaviour unless asked, in the presets and as JSON files
@@ -171,3 +200,21 @@ def test_bad_json_file_named(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"broken\.json': expected a JSON object.*got a JSON list"):
         MQALatentAttentionConfig.from_json_file(bad)
+
+
+def test_json_field_given_twice_is_an_error(tmp_path):
+    """A field written twice in a JSON file (an edit that added a line instead of changing
+    one) used to be read silently as its last value: the run used "heads" although the file
+    also says "sequence".  It is a ValueError naming the file and the field."""
+    data = get_preset("deepseek_v32_small").to_dict()
+    del data["attention_partition"]
+    body = json.dumps(data)[:-1] + ', "attention_partition": "sequence", "attention_partition": "heads"}'
+    path = tmp_path / "dup.json"
+    path.write_text(body)
+    assert json.loads(body)["attention_partition"] == "heads"  # what plain json.load makes of it
+    with pytest.raises(ValueError, match=r"^config file '.*dup\.json': field "
+                                         r"'attention_partition' is given 2 times \(values "
+                                         r"'sequence', 'heads'\)$"):
+        load_config(str(path))
+    path.write_text(json.dumps(data)[:-1] + ', "attention_partition": "sequence"}')
+    assert load_config(str(path)).attention_partition == "sequence"  # once: fine

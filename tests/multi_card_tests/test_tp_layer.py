@@ -35,7 +35,7 @@ from helpers import rel_l2
 
 from launcher import launch
 from tp_case import PARTITIONS, run_case
-from tp_worker import coded, exchange_shapes
+from tp_worker import SWITCH_PARTITIONS, coded, exchange_shapes
 
 from paddlefleet.tilelang_ops.attn.layer import shard_of
 
@@ -46,7 +46,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py"
 #: heads (6 per rank) at 4 and 8; S = 48 (divisible by TP) and 45 / 3 (not); packed documents
 #: at TP 2 and 8; every TP degree runs both partitions.
 RUNS = {
-    2: ("h64@heads", "h64_nosink@heads", "h64_packed@heads",
+    2: ("errors", "switch", "h64@heads", "h64_nosink@heads", "h64_packed@heads",
         "h64@sequence", "h64_s45@sequence", "h64_nosink@sequence", "h64_packed@sequence",
         "h64_s45@sequence+alltoall", "exchange"),
     4: ("h64@heads", "h64_s45@heads",
@@ -127,6 +127,57 @@ def test_exchange_collectives_move_exactly_the_right_values(tp):
             got["gathered"], np.concatenate([coded((3,), r, 0) for r in range(tp)]))
         d_shard = sum(coded((3 * tp,), r, 3) for r in range(tp))[rank * 3:(rank + 1) * 3]
         np.testing.assert_array_equal(got["d_shard"], d_shard)
+
+
+def test_sequence_inputs_bad_on_some_ranks_raise_on_every_rank():
+    """Inputs that fail the checks on some ranks only (they must be the same on every rank)
+    make every rank raise a ValueError/TypeError before the first exchange, and the group stays
+    in step: a good call afterwards gives the single-process output.  (Regression: the ranks
+    whose inputs passed waited in the all-to-all until gloo's own timeout, ~30 s, and then
+    failed with gloo's opaque "TIMEOUT self_rank = -1"; NCCL would wait on.)"""
+    tp = 2
+    got = [_rank_result(tp, "errors", rank) for rank in range(tp)]
+    others = ("ValueError: MQALatentAttention (attention_partition='sequence'): the input checks "
+              "failed on rank(s) [{}] of the tensor-parallel group (the error is raised there); "
+              "hidden_states, token_indices and cu_seqlens must be the same on every rank")
+    index = ("ValueError: token_indices: expected values -1 (empty slot) or in [0, S_kv=45), "
+             "got values in [-1, 45]")
+    want = {
+        "index_on_rank1": [others.format(1), index],
+        "index_on_every_rank": [index, index],
+        "cu_seqlens_on_rank0": ["ValueError: cu_seqlens: expected cu_seqlens[-1] == S=48 (the "
+                                "packed rows), got 47", others.format(0)],
+        "hidden_type_on_rank0": ["TypeError: hidden_states: expected a paddle.Tensor, got "
+                                 "numpy.ndarray", others.format(0)],
+    }
+    for case, messages in want.items():
+        for rank, message in enumerate(messages):
+            assert str(got[rank][case]).startswith(message), (case, rank, str(got[rank][case]))
+    shapes = ("ValueError: hidden_states, token_indices: expected the same [B, S, L] on every "
+              "rank of the tensor-parallel group (attention_partition='sequence' exchanges rows "
+              "between them), got rank 0: [2, 45, 32], rank 1: [2, 44, 32]")
+    assert [str(g["seq_len_on_rank1"]) for g in got] == [shapes, shapes]
+    y = _single("h64_s45")["y"]
+    for rank in range(tp):
+        assert rel_l2(got[rank]["y"], y) <= TOL, rank
+
+
+def test_partition_switched_between_steps_on_one_layer():
+    """The same layer run with "sequence", "heads", "sequence" in turn (its config replaced):
+    every step equals the single-process run (the partition holds no state of its own)."""
+    tp = 2
+    full = _single("h64_s45")
+    failures = []
+    for rank in range(tp):
+        got = _rank_result(tp, "switch", rank)
+        for step, partition in enumerate(SWITCH_PARTITIONS):
+            for key, ref in full.items():
+                name = key.split(".", 1)[1] if key.startswith("grad.") else key
+                want = shard_of(name, ref, rank, tp) if key.startswith("grad.") else ref
+                err = rel_l2(got[f"{step}.{key}"], want)
+                if not err <= TOL:
+                    failures.append(f"rank {rank} step {step} ({partition}) {key}: {err:.3e}")
+    assert not failures, "\n".join(failures)
 
 
 def test_single_process_gradients_are_not_trivial():

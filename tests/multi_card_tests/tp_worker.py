@@ -3,8 +3,10 @@
 Usage: tp_worker.py OUT_DIR SPEC [SPEC ...]
 
 A SPEC is ``CASE@PARTITION`` (a layer case of tp_case.py run with that attention partition),
-``CASE@sequence+alltoall`` (the same through the ``dist.alltoall`` branch, see below) or
-``exchange`` (the collectives of tp.py on known data, both branches).  Writes
+``CASE@sequence+alltoall`` (the same through the ``dist.alltoall`` branch, see below),
+``exchange`` (the collectives of tp.py on known data, both branches), ``errors`` (inputs
+that fail the layer's checks on some ranks only, "sequence" partition) or ``switch`` (one
+layer whose partition changes between steps).  Writes
 OUT_DIR/<spec>_rank<r>.npz per spec; the pytest process does the comparing, so a mismatch is
 reported there with names and errors instead of a crashed rank.
 
@@ -23,9 +25,10 @@ import paddle
 import paddle.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_case import run_case  # noqa: E402
+from tp_case import case_config, case_inputs, run_case  # noqa: E402
 
 from paddlefleet.tilelang_ops.attn import tp  # noqa: E402
+from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention  # noqa: E402
 
 #: Calls of the stand-in, counted so a run that never took the branch fails.
 _ALLTOALL_CALLS = []
@@ -90,6 +93,78 @@ def _exchange(rank: int, world: int) -> dict:
     return out
 
 
+#: ``errors`` cases: name -> what rank 1 (or every rank) gets wrong; see :func:`_errors`.
+ERROR_CASES = ("index_on_rank1", "index_on_every_rank", "cu_seqlens_on_rank0",
+               "hidden_type_on_rank0", "seq_len_on_rank1")
+
+
+def _errors(rank: int, world: int) -> dict:
+    """The "sequence" layer fed inputs that fail its checks on some ranks only (the inputs must
+    be the same on every rank: a caller's bug, but one that must not leave the other ranks
+    waiting in the exchange).  Records, per case, what each rank raised (``type: message``),
+    then the output of a good call: the group must still be in step after the errors."""
+    import paddle
+
+    out = {}
+    for case in ERROR_CASES:
+        packed = case.startswith("cu_seqlens")
+        name = "h64_packed" if packed else "h64_s45"
+        full, x, idx, _, cu = case_inputs(name)
+        layer = MQALatentAttention(case_config(name, world, "sequence"))
+        layer.load_full_weights(full)
+        S = x.shape[1]
+        x_in = paddle.to_tensor(x)
+        if case == "index_on_rank1" and rank == 1:
+            idx = idx.copy()
+            idx[0, 0, 0] = S  # row 0: one of rank 0's rows; key S is one past the last
+        elif case == "index_on_every_rank":
+            idx = idx.copy()
+            idx[-1, S - 1, 0] = S  # the last row, on the last rank's rows
+        elif case == "cu_seqlens_on_rank0" and rank == 0:
+            cu = cu.copy()
+            cu[-1] -= 1
+        elif case == "hidden_type_on_rank0" and rank == 0:
+            x_in = x  # numpy, not a paddle.Tensor
+        elif case == "seq_len_on_rank1" and rank == 1:
+            x_in, idx = x_in[:, :-1], idx[:, :-1]
+        try:
+            layer(x_in, paddle.to_tensor(idx), cu_seqlens=None if cu is None else paddle.to_tensor(cu))
+            out[case] = np.array("no error")
+        except Exception as e:  # noqa: BLE001 (recorded for the pytest process)
+            out[case] = np.array(f"{type(e).__name__}: {e}")
+    full, x, idx, _, _ = case_inputs("h64_s45")
+    layer = MQALatentAttention(case_config("h64_s45", world, "sequence"))
+    layer.load_full_weights(full)
+    out["y"] = layer(paddle.to_tensor(x), paddle.to_tensor(idx)).numpy()
+    return out
+
+
+#: ``switch``: the partitions one layer runs with, step after step.
+SWITCH_PARTITIONS = ("sequence", "heads", "sequence")
+
+
+def _switch(rank: int, world: int) -> dict:
+    """One layer, its config's attention_partition replaced between forward/backward steps
+    (same weights; gradients cleared in between): every step must equal the single-process
+    run.  Keys ``<step>.<result key>``."""
+    import paddle
+
+    full, x_np, idx, gy, _ = case_inputs("h64_s45")
+    layer = MQALatentAttention(case_config("h64_s45", world, "heads"))
+    layer.load_full_weights(full)
+    out = {}
+    for step, partition in enumerate(SWITCH_PARTITIONS):
+        layer.config = layer.config.replace(attention_partition=partition)
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        y = layer(x, paddle.to_tensor(idx))
+        (y * paddle.to_tensor(gy)).sum().backward()
+        out[f"{step}.y"], out[f"{step}.dx"] = y.numpy(), x.grad.numpy()
+        for pname, p in layer.named_parameters():
+            out[f"{step}.grad.{pname}"] = p.grad.numpy()
+        layer.clear_gradients()
+    return out
+
+
 def main():
     out_dir, specs = sys.argv[1], sys.argv[2:]
     dist.init_parallel_env()
@@ -97,6 +172,10 @@ def main():
     for spec in specs:
         if spec == "exchange":
             result = _exchange(rank, world)
+        elif spec == "errors":
+            result = _errors(rank, world)
+        elif spec == "switch":
+            result = _switch(rank, world)
         else:
             name, partition = spec.split("@")
             branch = partition.endswith("+alltoall")

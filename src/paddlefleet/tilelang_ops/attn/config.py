@@ -125,16 +125,24 @@ class MQALatentAttentionConfig:
                 f"tensor_parallel_degree, got {self.num_attention_heads} heads and "
                 f"tensor_parallel_degree={self.tensor_parallel_degree}"
             )
-        if self.backward_backend is not None and self.backward_backend not in BACKWARD_BACKENDS:
+        # Strings only (a 0-d numpy array compares equal to a choice, and would then break
+        # hash() and to_json_file); str subclasses (numpy strings, str enums) are stored as
+        # the plain str.
+        backend = self.backward_backend
+        if backend is not None and not (isinstance(backend, str) and backend in BACKWARD_BACKENDS):
             raise ValueError(
                 f"MQALatentAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} "
-                f"or None, got {self.backward_backend!r}"
+                f"or None, got {backend!r}"
             )
-        if self.attention_partition not in ATTENTION_PARTITIONS:
+        partition = self.attention_partition
+        if not (isinstance(partition, str) and partition in ATTENTION_PARTITIONS):
             raise ValueError(
                 f"MQALatentAttentionConfig.attention_partition must be one of "
-                f"{ATTENTION_PARTITIONS}, got {self.attention_partition!r}"
+                f"{ATTENTION_PARTITIONS}, got {partition!r}"
             )
+        if backend is not None:
+            object.__setattr__(self, "backward_backend", str.__str__(backend))
+        object.__setattr__(self, "attention_partition", str.__str__(partition))
         if self.softmax_scale is not None:
             # The op's own rule (finite and > 0, also in float32), checked here already so
             # that a bad config fails when it is built, not at the first forward.
@@ -218,8 +226,8 @@ class MQALatentAttentionConfig:
 
         Raises:
             OSError: the file cannot be read.
-            ValueError: the file is not valid JSON or not a JSON object (the message names the
-                file), or a field is unknown, missing or invalid.
+            ValueError: the file is not valid JSON or not a JSON object, or gives a field twice
+                (the message names the file), or a field is unknown, missing or invalid.
         """
         return cls.from_dict({**_read_json_object(path), **overrides})
 
@@ -241,9 +249,22 @@ MLAAttentionConfig = MQALatentAttentionConfig
 def _read_json_object(path: str | os.PathLike) -> dict:
     """The JSON object in ``path``; malformed JSON or another JSON type is a ``ValueError``
     naming the file."""
+    def no_duplicates(pairs):
+        # json.load keeps the last of a repeated key silently; in a config that hides an edit
+        seen = {}
+        for key, value in pairs:
+            seen.setdefault(key, []).append(value)
+        for key, values in seen.items():
+            if len(values) > 1:
+                raise ValueError(
+                    f"config file {os.fspath(path)!r}: field {key!r} is given {len(values)} "
+                    f"times (values {', '.join(map(repr, values))})"
+                )
+        return {key: values[0] for key, values in seen.items()}
+
     with open(path, encoding="utf-8") as f:
         try:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=no_duplicates)
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

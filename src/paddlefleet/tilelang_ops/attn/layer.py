@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle.distributed as dist
 import paddle.nn.functional as F
 
 from .adapter import type_name
@@ -206,7 +207,10 @@ class MQALatentAttention(paddle.nn.Layer):
             every TP rank.
         ``hidden_states``, ``token_indices`` and ``cu_seqlens`` must be the same on every rank.
         With ``"sequence"`` the index values (range, documents) are checked on all rows on
-        every rank before the first exchange, so a bad index raises on every rank alike.
+        every rank before the first exchange, so a bad index raises on every rank alike; inputs
+        that fail the checks on some ranks only, or differ in ``[B, S, L]``, make every rank
+        raise too (one small all-reduce before the exchange; the ranks that passed raise a
+        ``ValueError`` naming the failing ranks).
         Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
 
     Raises:
@@ -324,6 +328,42 @@ class MQALatentAttention(paddle.nn.Layer):
         starts = np.repeat(cu[:-1], np.diff(cu))  # first row of every row's document
         return cu.astype(np.int32), np.arange(S) - starts
 
+    def _agree_before_exchange(self, error, dims) -> None:
+        """``attention_partition="sequence"``: every rank calls this exactly once per forward,
+        before the first exchange, with the error its input checks raised (or ``None``) and
+        its ``[B, S, L]`` (``None`` when the checks failed before they were known).  One small
+        all-reduce tells every rank which ranks failed and every rank's shape; then each rank
+        raises (its own error, or a ``ValueError`` naming the failing ranks, or one listing
+        differing shapes) or none does.  The inputs must be the same on every rank, but a
+        caller's bug that breaks them on some ranks must not leave the others waiting in the
+        all-to-all (gloo times out after ~30 s with an opaque error or aborts on the next
+        collective; NCCL waits on).  No-op on one rank."""
+        if self.tp_size == 1:
+            if error is not None:
+                raise error
+            return
+        info = np.zeros((self.tp_size, 4), np.int64)
+        info[self.tp_rank] = [error is not None, *(dims if dims is not None else (0, 0, 0))]
+        info_t = paddle.to_tensor(info)  # the default place: the rank's device for NCCL
+        dist.all_reduce(info_t, op=dist.ReduceOp.SUM, group=self.group)
+        info = info_t.numpy()
+        if error is not None:
+            raise error
+        failed = np.flatnonzero(info[:, 0]).tolist()
+        if failed:
+            raise ValueError(
+                "MQALatentAttention (attention_partition='sequence'): the input checks failed "
+                f"on rank(s) {failed} of the tensor-parallel group (the error is raised there); "
+                "hidden_states, token_indices and cu_seqlens must be the same on every rank"
+            )
+        if (info[:, 1:] != info[self.tp_rank, 1:]).any():
+            shapes = ", ".join(f"rank {r}: {row[1:].tolist()}" for r, row in enumerate(info))
+            raise ValueError(
+                "hidden_states, token_indices: expected the same [B, S, L] on every rank of the "
+                "tensor-parallel group (attention_partition='sequence' exchanges rows between "
+                f"them), got {shapes}"
+            )
+
     def _sequence_partitioned_core(self, query, kv, token_indices, cu_seqlens):
         """The sparse core with ``attention_partition="sequence"``: ``query [B, S, h, Dk]``
         (this rank's heads, every row, RoPE applied) -> ``o_lat [B, S, h, Dv]``, computed on
@@ -344,11 +384,16 @@ class MQALatentAttention(paddle.nn.Layer):
         # Index values are checked here, on all S rows and on every rank, before any exchange:
         # the op below sees this rank's rows only, and an error raised by some ranks alone
         # would leave the others waiting in the inverse all-to-all.
-        check_values(check_tensors(query, kv, token_indices, d_v=c.kernel_dv), token_indices)
-        if cu_seqlens is not None:
-            # The op's packed check needs its query rows to be the keys (S_kv = S); here they
-            # are a slice of them, so the check runs on the full indices instead.
-            check_indices_in_documents(token_indices, cu_seqlens)
+        error = None
+        try:
+            check_values(check_tensors(query, kv, token_indices, d_v=c.kernel_dv), token_indices)
+            if cu_seqlens is not None:
+                # The op's packed check needs its query rows to be the keys (S_kv = S); here
+                # they are a slice of them, so the check runs on the full indices instead.
+                check_indices_in_documents(token_indices, cu_seqlens)
+        except Exception as e:  # noqa: BLE001 (raised on every rank by the agreement)
+            error = e
+        self._agree_before_exchange(error, (B, S, int(token_indices.shape[-1])))
         rows = -(-S // tp)
         pad = rows * tp - S
         if pad:  # zero rows after row S - 1 (pads from the first axis to the last)
@@ -372,14 +417,20 @@ class MQALatentAttention(paddle.nn.Layer):
         cu_seqlens=None,
     ) -> paddle.Tensor:
         c = self.config
-        self._check_forward_inputs(hidden_states, token_indices)
-        B, S, _ = hidden_states.shape
+        try:
+            self._check_forward_inputs(hidden_states, token_indices)
+            B, S, _ = hidden_states.shape
+            if cu_seqlens is None:
+                positions = np.arange(S)
+            else:
+                # Read to the host once; the op gets the host copy (no second device read).
+                cu_seqlens, positions = self._packed_positions(hidden_states, cu_seqlens)
+        except Exception as e:
+            if c.attention_partition == "sequence":
+                # the ranks whose inputs pass are on their way to the same agreement
+                self._agree_before_exchange(e, None)
+            raise
         h, nope, rope = self.num_local_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        if cu_seqlens is None:
-            positions = np.arange(S)
-        else:
-            # Read to the host once; the op gets the host copy (no second device read).
-            cu_seqlens, positions = self._packed_positions(hidden_states, cu_seqlens)
 
         # Query path: replicated down-projection, then this rank's heads.
         c_q = _rms_norm(paddle.matmul(hidden_states, self.wq_a), self.q_norm_weight, c.rms_norm_eps)
