@@ -5,7 +5,8 @@ Builds :class:`~paddlefleet.tilelang_ops.attn.layer.MQALatentAttention` from a c
 name or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
 printing per step the loss, the global gradient norm and the gradient norm of every parameter
 (tensor-parallel shards are combined, so the numbers are the same for any ``--nproc``).  Exits
-with status 1 as soon as a loss or gradient is not finite, 2 on a usage error, and 130 / 143
+with status 1 as soon as a loss or gradient is not finite or when the config cannot run (unknown
+preset, heads not divisible by --nproc, tilelang without a GPU), 2 on a bad option, and 130 / 143
 when stopped by Ctrl-C / SIGTERM (every rank is stopped too).
 
 Examples:
