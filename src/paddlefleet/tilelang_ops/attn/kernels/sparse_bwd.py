@@ -138,6 +138,16 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     H_pad = T.dynamic("H_pad")
 
     @T.macro
+    def stage_rows(stage, acc, inv_grid, width):
+        # the dKV fragment into the fp32 staging rows; the exact mode in grid units (c / g_j:
+        # exact, g_j a power of two), rounded by scatter4
+        for j, d in T.Parallel(BK, width):
+            if exact:
+                stage[j, d] = acc[j, d] * inv_grid[j]
+            else:
+                stage[j, d] = acc[j, d]
+
+    @T.macro
     def scatter4(u_cols, r4, stage, dkv_acc, b_i, idx, col, j, d4):
         # one float4 of staged row j.  Exact mode: the running max |c / g| taken before the
         # rounding (so a grid too coarse still shows the size), then the rounding, into
@@ -248,23 +258,14 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                            transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                     T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
                            transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                    for j, d in T.Parallel(BK, CW):
-                        if exact:
-                            # in grid units (c / g_j: exact, a power of two); rounded below
-                            dkv_stage[j, d] = acc_dkv[j, d] * inv_grid[j]
-                        else:
-                            dkv_stage[j, d] = acc_dkv[j, d]
+                    stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
                     for j, d4 in T.Parallel(BK, CW // 4):
                         scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
                                  Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
 
                 T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                for j, d in T.Parallel(BK, D_tail):
-                    if exact:
-                        dkv_tail_stage[j, d] = acc_dkv_tail[j, d] * inv_grid[j]
-                    else:
-                        dkv_tail_stage[j, d] = acc_dkv_tail[j, d]
+                stage_rows(dkv_tail_stage, acc_dkv_tail, inv_grid, D_tail)
                 # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
                 # one layout; the tail's 16 column groups use the first 16 of them
                 for j, d4 in T.Parallel(BK, CW // 4):
