@@ -31,13 +31,17 @@ LN2 = 0.6931471805599453
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1):
+               num_stages: int = 1, warp_specialized: bool | None = None,
+               batch_scores: bool = False):
     """Build the forward kernel for one head tile.
 
     Args (all static):
         heads_per_cta: ``M``, the heads one CTA handles (16, 32 or 64).
         d_qk: ``Dk`` (576).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail.
         block_k: key block ``BK``; ``L`` must be a multiple of it.
+        warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
+            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
+        batch_scores: warp-specialised only; see :func:`_warp_specialized`.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -46,6 +50,10 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     """
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
+    if warp_specialized is None:
+        warp_specialized = heads_per_cta == 64
+    if warp_specialized:
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, batch_scores)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -156,3 +164,244 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
 
     return sparse_fwd_main
+
+
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
+                      batch_scores: bool = False):
+    """The 64-head forward as three warpgroups (384 threads), same arguments and results.
+
+    * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
+      ``cp.async`` (a ``-1`` slot copies row 0, masked below) as soon as both consumers have
+      freed that buffer, so the next block's gather runs under this block's GEMMs;
+    * warpgroup 0: scores ``Q K^T`` of the 64 heads, the online softmax (as in the plain
+      kernel), ``P`` and the rescale factor into shared memory, and the left half of the output
+      columns, ``O[:, :Dv/2] += P V[:, :Dv/2]``; at the end the sink fold and ``Lse``;
+    * warpgroup 1: the right half of the output columns from the same ``P``.
+
+    One ``P`` buffer, handed over and back with two mbarriers; the key blocks alternate
+    between two buffers (the loop takes them in pairs, so each buffer's index is static), each
+    with a "ready" (producer's copies landed) and a "free" (both consumers done) mbarrier.
+    Why: with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
+    TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
+    loaded with 16-byte ``cp.async`` by all 384 threads before the split.  ``batch_scores``
+    (trial knob) issues the three score GEMMs as one wgmma batch with a single wait.
+    Registers: the consumer holding scores and half the output gets 240 per thread, the other
+    168, the producer 80 (``setmaxnreg``; 240 + 168 + 80 <= 3 x 168).
+    """
+    assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
+    M = heads_per_cta
+    D = d_v
+    DH = d_v // 2
+    D_tail = d_qk - d_v
+    assert D_tail % 8 == 0 and DH % 64 == 0
+    BK = block_k
+    assert BK % 16 == 0
+    dtype = "bfloat16"
+    acc_t = "float32"
+    WG = 128
+    Q_CHUNKS = M * d_qk // 8  # 16-byte pieces of the query tile
+    assert Q_CHUNKS % (3 * WG) == 0
+
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    S_kv = T.dynamic("S_kv")
+    L = T.dynamic("L")
+    H_pad = T.dynamic("H_pad")
+
+    @T.macro
+    def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, kv_ready, kv_free, p_ready, p_free,
+                        Indices, b_i, s_i, k, parity, acc_s, acc_o_l, row_max, row_max_prev,
+                        row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared, scale2):
+        T.barrier_wait(kv_ready[0], parity)
+        for h, j in T.Parallel(M, BK):
+            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                         -T.infinity(acc_t))
+        if batch_scores:
+            # one wait for the three (each T.gemm waits for its own wgmma group)
+            T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
+            T.wgmma_gemm(Q_tail, K_tail, acc_s, transpose_B=True)
+            T.wait_wgmma(0)
+        else:
+            T.gemm(Q_l, K_l, acc_s, transpose_B=True)
+            T.gemm(Q_r, K_r, acc_s, transpose_B=True)
+            T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
+        # warpgroup 1 must be done with the previous P and rescale factor
+        T.barrier_wait(p_free[0], (k & 1) ^ 1)
+        T.copy(row_max, row_max_prev)
+        T.reduce_max(acc_s, row_max, dim=1, clear=False)
+        for h in T.Parallel(M):
+            row_max[h] = T.max(row_max[h], row_max_prev[h])
+            # no valid key yet (m = -inf): shift by 0, never form -inf - -inf (see sparse_fwd)
+            m_shift[h] = T.if_then_else(row_max[h] == -T.infinity(acc_t), 0.0, row_max[h])
+            alpha[h] = T.exp2((row_max_prev[h] - m_shift[h]) * scale2[0])
+        for h, j in T.Parallel(M, BK):
+            acc_s[h, j] = T.exp2((acc_s[h, j] - m_shift[h]) * scale2[0])
+        T.reduce_sum(acc_s, blk_sum, dim=1)
+        for h in T.Parallel(M):
+            row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+            alpha_shared[h] = alpha[h]
+        for h, d in T.Parallel(M, DH):
+            acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
+        T.copy(acc_s, P_shared)
+        T.gemm(P_shared, K_l, acc_o_l)
+        T.barrier_arrive(p_ready[0])
+        T.barrier_arrive(kv_free[0])
+
+    @T.macro
+    def right(K_r, kv_free, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared):
+        T.barrier_wait(p_ready[0], k & 1)
+        for h, d in T.Parallel(M, DH):
+            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+        T.gemm(P_shared, K_r, acc_o_r)
+        T.barrier_arrive(p_free[0])
+        T.barrier_arrive(kv_free[0])
+
+    @T.macro
+    def gather(KV, Indices, K_l, K_r, K_tail, kv_ready, kv_free, b_i, s_i, k, parity, t):
+        # both consumers must have freed this buffer (its previous use, two blocks ago)
+        T.barrier_wait(kv_free[0], parity ^ 1)
+        for r in T.serial(BK // 16):
+            j = r * 16 + t // 8
+            row = T.max(Indices[b_i, s_i, k * BK + j], 0)  # clamped: -1 copies row 0
+            for u in T.serial(DH // 64):
+                T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
+                T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
+            for u in T.serial(D_tail // 64 if D_tail >= 64 else 1):
+                if (t % 8) * 8 + 64 * u < D_tail:
+                    T.ptx_cp_async(T.access_ptr(K_tail[j, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, row, D + 64 * u + (t % 8) * 8], "r", 8),
+                                   8)
+        T.cp_async_barrier_noinc(kv_ready[0])
+
+    @T.prim_func
+    def sparse_fwd_ws(
+        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
+        KV: T.Tensor([B, S_kv, d_qk], dtype),
+        Indices: T.Tensor([B, S, L], "int32"),
+        Sink: T.Tensor([H_pad], acc_t),
+        Scale: T.Tensor([1], acc_t),
+        O: T.Tensor([B, S, H_pad, D], dtype),
+        Lse: T.Tensor([B, S, H_pad], acc_t),
+    ):
+        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (s_i, b_i, g_i):
+            Q_l = T.alloc_shared([M, DH], dtype)
+            Q_r = T.alloc_shared([M, DH], dtype)
+            Q_tail = T.alloc_shared([M, D_tail], dtype)
+            K_l0 = T.alloc_shared([BK, DH], dtype)
+            K_r0 = T.alloc_shared([BK, DH], dtype)
+            K_t0 = T.alloc_shared([BK, D_tail], dtype)
+            K_l1 = T.alloc_shared([BK, DH], dtype)
+            K_r1 = T.alloc_shared([BK, DH], dtype)
+            K_t1 = T.alloc_shared([BK, D_tail], dtype)
+            P_shared = T.alloc_shared([M, BK], dtype)
+            alpha_shared = T.alloc_shared([M], acc_t)
+            # the output goes out through the query's buffers (free by then)
+            O_l = Q_l
+            O_r = Q_r
+
+            q_ready = T.alloc_barrier(arrive_count=3 * WG)
+            ready0 = T.alloc_barrier(arrive_count=WG)
+            ready1 = T.alloc_barrier(arrive_count=WG)
+            free0 = T.alloc_barrier(arrive_count=2 * WG)
+            free1 = T.alloc_barrier(arrive_count=2 * WG)
+            p_ready = T.alloc_barrier(arrive_count=WG)
+            p_free = T.alloc_barrier(arrive_count=WG)
+            fin_ready = T.alloc_barrier(arrive_count=WG)
+
+            acc_s = T.alloc_fragment([M, BK], acc_t)
+            acc_o_l = T.alloc_fragment([M, DH], acc_t)
+            acc_o_r = T.alloc_fragment([M, DH], acc_t)
+            row_max = T.alloc_fragment([M], acc_t)
+            row_max_prev = T.alloc_fragment([M], acc_t)
+            row_sum = T.alloc_fragment([M], acc_t)
+            blk_sum = T.alloc_fragment([M], acc_t)
+            alpha = T.alloc_fragment([M], acc_t)
+            m_shift = T.alloc_fragment([M], acc_t)
+            lse_frag = T.alloc_fragment([M], acc_t)
+            scale2 = T.alloc_local([1], acc_t)
+
+            tx = T.get_thread_binding()
+            h0 = g_i * M
+            NB = L // BK
+            # 16-byte cp.async, all in flight at once: a T.copy by 384 threads (which do not
+            # divide the tile) lowered to 97 two-byte loads per thread, ~65 us per CTA (run 24)
+            for r in T.serial(Q_CHUNKS // (3 * WG)):
+                c = r * (3 * WG) + tx
+                h = c // (d_qk // 8)
+                col = (c % (d_qk // 8)) * 8
+                if col < DH:
+                    T.ptx_cp_async(T.access_ptr(Q_l[h, col], "w", 8),
+                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+                elif col < D:
+                    T.ptx_cp_async(T.access_ptr(Q_r[h, col - DH], "w", 8),
+                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+                else:
+                    T.ptx_cp_async(T.access_ptr(Q_tail[h, col - D], "w", 8),
+                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+            T.cp_async_barrier_noinc(q_ready[0])
+            T.barrier_wait(q_ready[0], 0)
+            # written through the generic proxy, read by wgmma (the async proxy)
+            T.fence_proxy_async()
+
+            if tx < WG:
+                T.set_max_nreg(240, 1)
+                scale2[0] = Scale[0] * LOG2E
+                T.fill(acc_o_l, 0)
+                T.fill(row_sum, 0)
+                T.fill(row_max, -T.infinity(acc_t))
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    scores_and_left(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, ready0, free0, p_ready,
+                                    p_free, Indices, b_i, s_i, 2 * i, i & 1, acc_s, acc_o_l,
+                                    row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
+                                    alpha_shared, P_shared, scale2)
+                    if 2 * i + 1 < NB:
+                        scores_and_left(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, ready1, free1,
+                                        p_ready, p_free, Indices, b_i, s_i, 2 * i + 1, i & 1,
+                                        acc_s, acc_o_l, row_max, row_max_prev, row_sum, blk_sum,
+                                        alpha, m_shift, alpha_shared, P_shared, scale2)
+                # the sink fold of sparse_fwd, then the final factor for warpgroup 1
+                T.barrier_wait(p_free[0], (NB & 1) ^ 1)
+                for h in T.Parallel(M):
+                    m_key = row_max[h] * scale2[0]
+                    sink2 = Sink[h0 + h] * LOG2E
+                    m_all = T.max(m_key, sink2)
+                    w_key = T.if_then_else(m_all == -T.infinity(acc_t), 0.0,
+                                           T.exp2(m_key - m_all))
+                    z = row_sum[h] * w_key + T.if_then_else(m_all == -T.infinity(acc_t), 0.0,
+                                                            T.exp2(sink2 - m_all))
+                    alpha[h] = T.if_then_else(z > 0, w_key / z, 0)
+                    alpha_shared[h] = alpha[h]
+                    lse_frag[h] = (T.log2(row_sum[h]) + m_key) * LN2
+                T.barrier_arrive(fin_ready[0])
+                for h, d in T.Parallel(M, DH):
+                    acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
+                T.copy(acc_o_l, O_l)
+                T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
+                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
+            elif tx < 2 * WG:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_o_r, 0)
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    right(K_r0, free0, p_ready, p_free, 2 * i, acc_o_r, alpha_shared, P_shared)
+                    if 2 * i + 1 < NB:
+                        right(K_r1, free1, p_ready, p_free, 2 * i + 1, acc_o_r, alpha_shared,
+                              P_shared)
+                T.barrier_wait(fin_ready[0], 0)
+                for h, d in T.Parallel(M, DH):
+                    acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+                T.copy(acc_o_r, O_r)
+                T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
+            else:
+                T.set_max_nreg(80, 0)
+                t = tx - 2 * WG
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    gather(KV, Indices, K_l0, K_r0, K_t0, ready0, free0, b_i, s_i, 2 * i, i & 1, t)
+                    if 2 * i + 1 < NB:
+                        gather(KV, Indices, K_l1, K_r1, K_t1, ready1, free1, b_i, s_i, 2 * i + 1,
+                               i & 1, t)
+
+    return sparse_fwd_ws
+

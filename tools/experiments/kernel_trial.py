@@ -1,0 +1,173 @@
+"""GPU trial of kernel variants against the shipped ones, through the public wrappers.
+
+Each variant is a provider whose kernels get extra static arguments; outputs are compared with
+the shipped kernels' (relative L2, bitwise repeat of the deterministic backward) and timed with
+CUDA events (median).  Not a test and not the benchmark: a scratch tool for A/B decisions, whose
+printed lines go into docs/performance.md.
+
+    python3 tools/experiments/kernel_trial.py --fwd "ws_sync=64,256,1,True,False" \
+        --bwd "dkvt=256,1,128,True" --shapes ref,fleet,wave_ref,wave_fleet
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "src")
+from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
+from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
+from paddlefleet.tilelang_ops.attn.kernels import main_args  # noqa: E402
+
+DK, DV = 576, 512
+SHAPES = {  # B, S, S_kv, H, topk
+    "ref": (1, 4096, 8192, 64, 2048),
+    "fleet": (1, 8192, 8192, 64, 640),
+    "wave_ref": (1, 132, 8192, 64, 2048),  # one CTA per SM: the per-CTA time
+    "wave_fleet": (1, 132, 8192, 64, 640),
+    "tp8": (1, 4096, 8192, 8, 2048),
+    "h128": (1, 4096, 8192, 128, 2048),
+}
+
+
+def parse_static(text):
+    return tuple({"True": True, "False": False}[t] if t in ("True", "False") else int(t)
+                 for t in text.split(","))
+
+
+class Variant(interface.TileLangKernels):
+    """Shipped kernels, except that the 64-head forward / main backward get other static args."""
+
+    def __init__(self, fwd_extra=None, bwd_extra=None):
+        super().__init__()
+        self.fwd_extra, self.bwd_extra = fwd_extra, bwd_extra
+
+    def _timed(self, key):
+        if key not in self._kernels:
+            t = time.time()
+            self._kernel(key)
+            print(f"[build] {key}: {time.time() - t:.1f}s", flush=True)
+        return self._kernels[key]
+
+    def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
+        if self.fwd_extra is None or heads_per_cta != 64:
+            return super().fwd(heads_per_cta, q, kv, indices, sink, scale, out, lse)
+        key = ("fwd", 64, DK, DV) + self.fwd_extra
+        self._timed(key)(q, kv, indices, sink, scale, out, lse)
+
+    def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
+        if self.bwd_extra is None or heads_per_cta not in (32, 64):
+            return super().bwd_main(heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2,
+                                    delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp)
+        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq)) + self.bwd_extra
+        self._timed(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq,
+                         dkv_acc, bound, bound_exp)
+
+
+def median_ms(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def run_shape(name, providers, do_fwd, do_bwd, reps):
+    B, S, SKV, H, K = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn((B, S, H, DK), generator=g, device="cuda").bfloat16()
+    kv = torch.randn((B, SKV, DK), generator=g, device="cuda").bfloat16()
+    do = torch.randn((B, S, H, DV), generator=g, device="cuda").bfloat16()
+    idx = torch.from_numpy(causal_topk_indices(B, S, SKV, K, seed=0)).cuda()
+    sink = torch.randn((H,), generator=g, device="cuda")
+    sm = DK ** -0.5
+    base_out = None
+    for pname, prov in providers.items():
+        if not do_fwd.get(pname, True):
+            continue
+        f = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False,
+                                                    provider=prov)
+        out, lse = f()
+        if base_out is None:
+            base_out = (out, lse)
+        ms = median_ms(f, reps)
+        print(f"[{name}] fwd {pname}: {ms:.3f} ms, out rel {rel(out.float(), base_out[0].float()):.2e},"
+              f" lse max|d| {(lse - base_out[1]).abs().max().item():.2e}", flush=True)
+    out, lse = base_out
+    base = {}
+    for pname, prov in providers.items():
+        if not do_bwd.get(pname, True):
+            continue
+        for det in (True, False):
+            f = lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
+                                                        deterministic=det, check_indices=False,
+                                                        provider=prov)
+            r1, r2 = f(), f()
+            same = all(torch.equal(x, y) for x, y in zip(r1, r2))
+            base.setdefault(det, r1)
+            o = base[det]
+            ms = median_ms(f, reps)
+            print(f"[{name}] bwd {pname} det={det}: {ms:.3f} ms, repeat-bitwise={same}, "
+                  f"vs first: dq {rel(r1[0], o[0]):.2e} dkv {rel(r1[1].float(), o[1].float()):.2e}"
+                  f" dsink {rel(r1[2], o[2]):.2e} dkv-equal={torch.equal(r1[1], o[1])}", flush=True)
+
+
+def precompile(providers, jobs=16):
+    """Build every kernel the trial launches at H=64, in parallel (TileLang's disk cache)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    sys.path.insert(0, "tools")
+    from precompile import _build_one, kernel_specs
+
+    keys = set(kernel_specs((64,)))
+    for prov in providers.values():
+        if getattr(prov, "fwd_extra", None):
+            keys.add(("fwd", (64, DK, DV) + prov.fwd_extra))
+        if getattr(prov, "bwd_extra", None):
+            for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
+                keys.add(("bwd_main", main_args(64, mode, dq) + prov.bwd_extra))
+    t = time.time()
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for name, a, dt, err in pool.map(_build_one, *zip(*[(n, a, False) for n, a in keys])):
+            print(f"[precompile] {name}{a} {dt:.1f}s {err or 'ok'}", flush=True)
+    print(f"[precompile] {len(keys)} kernels in {time.time() - t:.1f}s", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fwd", action="append", default=[], help="name=static,args (after Dv)")
+    ap.add_argument("--bwd", action="append", default=[], help="name=static,args (after BK)")
+    ap.add_argument("--shapes", default="ref,fleet")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    providers = {"shipped": interface.TileLangKernels()}
+    do_fwd, do_bwd = {}, {}
+    for spec in args.fwd:
+        n, a = spec.split("=")
+        providers[n] = Variant(fwd_extra=parse_static(a))
+        do_bwd[n] = False
+    for spec in args.bwd:
+        n, a = spec.split("=")
+        providers[n] = Variant(bwd_extra=parse_static(a))
+        do_fwd[n] = False
+    if not args.bwd:
+        do_bwd["shipped"] = False
+    precompile(providers)
+    for name in args.shapes.split(","):
+        run_shape(name, providers, do_fwd, do_bwd, args.reps)
+
+
+if __name__ == "__main__":
+    main()
