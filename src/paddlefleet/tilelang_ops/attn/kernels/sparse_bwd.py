@@ -73,7 +73,8 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
-         block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128):
+         block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
+         dkv_transposed: bool = False):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -110,7 +111,12 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async) right
     after the last GEMM that reads the current one, so it overlaps the dKV GEMMs and the scatter;
     dQ's two GEMMs run after the scatter, so the fire-and-forget atomics drain while the tensor
-    cores work.
+    cores work.  ``dkv_transposed=True`` computes each dKV chunk transposed, ``[CW, BK] =
+    Q_c^T dS + dO_c^T P`` (the tail ``[Dk - Dv, BK]``): the GEMM's M is then ``CW`` instead of
+    ``BK = 32`` (too few rows for wgmma), so it runs on wgmma from shared memory instead of
+    ``mma_sync``, whose 8 warps each re-read dS^T / P^T through ldmatrix (the kernel is bound by
+    shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
+    forms are wgmma.)
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -121,7 +127,11 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     D_tail = d_qk - d_v
     BK = block_k
     CW = dkv_chunk
-    STAGE_PAD = 8
+    # rows padded so the accumulator's stores hit distinct banks (ncu: unpadded was 8-way):
+    # row-major fragments store 8 rows x 8 bytes per lane quad (pad 8); transposed ones store
+    # column j = 2 (lane % 4) + e, row d = lane / 4, i.e. word 2 (lane % 4) stride + lane / 4,
+    # distinct mod 32 for stride = 4 mod 32 (pad 4 keeps the rows 16-byte aligned for float4)
+    STAGE_PAD = 4 if dkv_transposed else 8
     dtype = "bfloat16"
     acc_t = "float32"
     # u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum exactly in
@@ -130,6 +140,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     EXP_CLAMP = float(2**100)
     U_FLOOR = float(2**-120)
     assert D % CW == 0 and CW >= D_tail
+
+    def dkv_shape(width):
+        return [width, BK] if dkv_transposed else [BK, width]
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -141,11 +154,18 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     def stage_rows(stage, acc, inv_grid, width):
         # the dKV fragment into the fp32 staging rows; the exact mode in grid units (c / g_j:
         # exact, g_j a power of two), rounded by scatter4
-        for j, d in T.Parallel(BK, width):
-            if exact:
-                stage[j, d] = acc[j, d] * inv_grid[j]
-            else:
-                stage[j, d] = acc[j, d]
+        if dkv_transposed:
+            for d, j in T.Parallel(width, BK):
+                if exact:
+                    stage[j, d] = acc[d, j] * inv_grid[j]
+                else:
+                    stage[j, d] = acc[d, j]
+        else:
+            for j, d in T.Parallel(BK, width):
+                if exact:
+                    stage[j, d] = acc[j, d] * inv_grid[j]
+                else:
+                    stage[j, d] = acc[j, d]
 
     @T.macro
     def scatter4(u_cols, r4, stage, dkv_acc, b_i, idx, col, j, d4):
@@ -189,8 +209,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             KV_tail_shared = T.alloc_shared([BK, D_tail], dtype)
             P_shared = T.alloc_shared([M, BK], dtype)
             dS_shared = T.alloc_shared([M, BK], dtype)
-            # rows padded by 8 floats: the accumulator's stores (8 rows x 8 bytes per quad of
-            # lanes) then hit distinct banks; unpadded they were 8-way bank conflicts (ncu)
             dkv_stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
             dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
             inv_grid = T.alloc_shared([BK], acc_t)
@@ -201,8 +219,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             acc_dp = T.alloc_fragment([M, BK], acc_t)
             acc_dq = T.alloc_fragment([M, D], acc_t)
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
-            acc_dkv = T.alloc_fragment([BK, CW], acc_t)
-            acc_dkv_tail = T.alloc_fragment([BK, D_tail], acc_t)
+            acc_dkv = T.alloc_fragment(dkv_shape(CW), acc_t)
+            acc_dkv_tail = T.alloc_fragment(dkv_shape(D_tail), acc_t)
             # running max |c / g| per (slot, 4-column group), taken while scattering and reduced
             # once per block (a reduce straight from the GEMM's accumulator layout does not lower)
             u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
@@ -254,17 +272,32 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 if exact:
                     T.fill(u_cols, 0)
                 for c in T.serial(D // CW):
-                    T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                           transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                           transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                    if dkv_transposed:
+                        # issued without a wait: the next GEMM's wait covers both
+                        T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
+                                     transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                                     clear_accum=True)
+                        T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
+                               transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    else:
+                        T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                               clear_accum=True)
+                        T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
                     stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
                     for j, d4 in T.Parallel(BK, CW // 4):
                         scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
                                  Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
 
-                T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
-                       policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                if dkv_transposed:
+                    # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
+                    # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
+                    T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                else:
+                    T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                 stage_rows(dkv_tail_stage, acc_dkv_tail, inv_grid, D_tail)
                 # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
                 # one layout; the tail's 16 column groups use the first 16 of them
