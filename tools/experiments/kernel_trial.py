@@ -132,13 +132,14 @@ def precompile(providers, jobs=16):
     sys.path.insert(0, "tools")
     from precompile import _build_one, kernel_specs
 
-    keys = set(kernel_specs((64,)))
+    keys = set(kernel_specs((32, 64)))
     for prov in providers.values():
         if getattr(prov, "fwd_extra", None):
             keys.add(("fwd", (64, DK, DV) + prov.fwd_extra))
         if getattr(prov, "bwd_extra", None):
-            for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
-                keys.add(("bwd_main", main_args(64, mode, dq) + prov.bwd_extra))
+            for m in (32, 64):
+                for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
+                    keys.add(("bwd_main", main_args(m, mode, dq) + prov.bwd_extra))
     t = time.time()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name, a, dt, err in pool.map(_build_one, *zip(*[(n, a, False) for n, a in keys])):
