@@ -20,6 +20,7 @@ from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E
 from paddlefleet.tilelang_ops.attn.kernels import main_args  # noqa: E402
 
 DK, DV = 576, 512
+DETS = (True, False)
 SHAPES = {  # B, S, S_kv, H, topk
     "ref": (1, 4096, 8192, 64, 2048),
     "fleet": (1, 8192, 8192, 64, 640),
@@ -106,12 +107,14 @@ def run_shape(name, providers, do_fwd, do_bwd, reps):
         ms = median_ms(f, reps)
         print(f"[{name}] fwd {pname}: {ms:.3f} ms, out rel {rel(out.float(), base_out[0].float()):.2e},"
               f" lse max|d| {(lse - base_out[1]).abs().max().item():.2e}", flush=True)
+    if base_out is None:
+        base_out = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False)
     out, lse = base_out
     base = {}
     for pname, prov in providers.items():
         if not do_bwd.get(pname, True):
             continue
-        for det in (True, False):
+        for det in DETS:
             f = lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
                                                         deterministic=det, check_indices=False,
                                                         provider=prov)
@@ -153,6 +156,8 @@ def main():
     ap.add_argument("--bwd", action="append", default=[], help="name=static,args (after BK)")
     ap.add_argument("--shapes", default="ref,fleet")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-shipped", action="store_true", help="variants only (for ncu)")
+    ap.add_argument("--atomic-only", action="store_true", help="skip deterministic=True")
     args = ap.parse_args()
     providers = {"shipped": interface.TileLangKernels()}
     do_fwd, do_bwd = {}, {}
@@ -166,6 +171,10 @@ def main():
         do_fwd[n] = False
     if not args.bwd:
         do_bwd["shipped"] = False
+    if args.no_shipped:
+        providers.pop("shipped")
+    global DETS
+    DETS = (False,) if args.atomic_only else (True, False)
     precompile(providers)
     for name in args.shapes.split(","):
         run_shape(name, providers, do_fwd, do_bwd, args.reps)

@@ -74,7 +74,7 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
-         dkv_transposed: bool = False):
+         dkv_transposed: bool = False, overlap_scatter: bool = False):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -140,6 +140,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     EXP_CLAMP = float(2**100)
     U_FLOOR = float(2**-120)
     assert D % CW == 0 and CW >= D_tail
+    # the overlapped schedule treats the rope tail as one more chunk: same width, same buffers
+    overlap = overlap_scatter and dkv_transposed and CW == D_tail
+    NC = D // CW  # latent chunks
 
     def dkv_shape(width):
         return [width, BK] if dkv_transposed else [BK, width]
@@ -185,6 +188,36 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         elif idx >= 0:
             T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], stage[j, d4 * 4])
 
+    @T.macro
+    def issue_chunk(c, acc, Q_shared, Q_tail_shared, dO_shared, dS_shared, P_shared):
+        # chunk c of dKV^T (c == NC: the rope tail) on the tensor cores, no wait
+        if c < NC:
+            T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc, transpose_A=True,
+                         policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.wgmma_gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc, transpose_A=True,
+                         policy=T.GemmWarpPolicy.FullRow)
+        else:
+            T.wgmma_gemm(Q_tail_shared, dS_shared, acc, transpose_A=True,
+                         policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+
+    @T.macro
+    def chunk_chain(c, acc, acc_next, Q_shared, Q_tail_shared, dO_shared, dS_shared, P_shared,
+                    stage, inv_grid, u_cols, r4, dkv_acc, Indices, b_i, s_i, k_i):
+        # chunk c was issued into acc: once it lands, issue chunk c + 1 into the other
+        # accumulator and stage and scatter chunk c meanwhile, so the atomics and the staging
+        # overlap the tensor cores (two register stages, as cuDNN's SM90 backward does)
+        T.wait_wgmma(0)
+        if c < NC:
+            issue_chunk(c + 1, acc_next, Q_shared, Q_tail_shared, dO_shared, dS_shared,
+                        P_shared)
+        stage_rows(stage, acc, inv_grid, CW)
+        for j, d4 in T.Parallel(BK, CW // 4):
+            scatter4(u_cols, r4, stage, dkv_acc, b_i, Indices[b_i, s_i, k_i * BK + j], c * CW, j,
+                     d4)
+        if c < NC:
+            chunk_chain(c + 1, acc_next, acc, Q_shared, Q_tail_shared, dO_shared, dS_shared,
+                        P_shared, stage, inv_grid, u_cols, r4, dkv_acc, Indices, b_i, s_i, k_i)
+
     @T.prim_func
     def sparse_bwd_main(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -220,6 +253,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             acc_dq = T.alloc_fragment([M, D], acc_t)
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
             acc_dkv = T.alloc_fragment(dkv_shape(CW), acc_t)
+            acc_dkv2 = T.alloc_fragment(dkv_shape(CW), acc_t)  # overlap: the second stage
             acc_dkv_tail = T.alloc_fragment(dkv_shape(D_tail), acc_t)
             # running max |c / g| per (slot, 4-column group), taken while scattering and reduced
             # once per block (a reduce straight from the GEMM's accumulator layout does not lower)
@@ -271,40 +305,46 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 # registers under the cap (the whole-row version spilled in the exact mode)
                 if exact:
                     T.fill(u_cols, 0)
-                for c in T.serial(D // CW):
-                    if dkv_transposed:
-                        # issued without a wait: the next GEMM's wait covers both
-                        T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
-                                     transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-                        T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
-                               transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                               clear_accum=True)
-                        T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                    stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
-                    for j, d4 in T.Parallel(BK, CW // 4):
-                        scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
-                                 Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
-
-                if dkv_transposed:
-                    # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
-                    # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
-                    T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                if overlap:
+                    issue_chunk(0, acc_dkv, Q_shared, Q_tail_shared, dO_shared, dS_shared,
+                                P_shared)
+                    chunk_chain(0, acc_dkv, acc_dkv2, Q_shared, Q_tail_shared, dO_shared,
+                                dS_shared, P_shared, dkv_stage, inv_grid, u_cols, r4, dKV_acc,
+                                Indices, b_i, s_i, k_i)
                 else:
-                    T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                stage_rows(dkv_tail_stage, acc_dkv_tail, inv_grid, D_tail)
-                # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
-                # one layout; the tail's 16 column groups use the first 16 of them
-                for j, d4 in T.Parallel(BK, CW // 4):
-                    if d4 < D_tail // 4:
-                        scatter4(u_cols, r4, dkv_tail_stage, dKV_acc, b_i,
-                                 Indices[b_i, s_i, k_i * BK + j], D, j, d4)
+                    for c in T.serial(D // CW):
+                        if dkv_transposed:
+                            # issued without a wait: the next GEMM's wait covers both
+                            T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
+                                         transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                                         clear_accum=True)
+                            T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
+                                   transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                        else:
+                            T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                                   transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                                   clear_accum=True)
+                            T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                                   transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                        stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
+                        for j, d4 in T.Parallel(BK, CW // 4):
+                            scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
+                                     Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
+                    if dkv_transposed:
+                        # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
+                        # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
+                        T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
+                               policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                    else:
+                        T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                               policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                    stage_rows(dkv_tail_stage, acc_dkv_tail, inv_grid, D_tail)
+                    # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols
+                    # keeps one layout; the tail's 16 column groups use the first 16 of them
+                    for j, d4 in T.Parallel(BK, CW // 4):
+                        if d4 < D_tail // 4:
+                            scatter4(u_cols, r4, dkv_tail_stage, dKV_acc, b_i,
+                                     Indices[b_i, s_i, k_i * BK + j], D, j, d4)
                 if exact:
                     T.reduce_max(u_cols, u_frag, dim=1)
                     T.copy(u_frag, u_stage)
