@@ -74,7 +74,8 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
-         dkv_transposed: bool = False, overlap_scatter: bool = False):
+         dkv_transposed: bool = False, overlap_scatter: bool = False,
+         split_scores: bool = False):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -143,6 +144,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     # the overlapped schedule treats the rope tail as one more chunk: same width, same buffers
     overlap = overlap_scatter and dkv_transposed and CW == D_tail
     NC = D // CW  # latent chunks
+    # warpgroup 0 computes S and P while warpgroup 1 computes dP (each a full [64, BK] wgmma,
+    # reading Q resp. dO once instead of both warpgroups reading both): 64-head tiles only
+    split = split_scores and heads_per_cta == 64 and threads == 256
 
     def dkv_shape(width):
         return [width, BK] if dkv_transposed else [BK, width]
@@ -235,12 +239,14 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         BoundExp: T.Tensor([B, S_kv], "int32"),
     ):
         with T.Kernel(S, B, H_pad // M, threads=threads) as (s_i, b_i, g_i):
+            tx = T.get_thread_binding()
             Q_shared = T.alloc_shared([M, D], dtype)
             Q_tail_shared = T.alloc_shared([M, D_tail], dtype)
             dO_shared = T.alloc_shared([M, D], dtype)
             KV_shared = T.alloc_shared([BK, D], dtype)
             KV_tail_shared = T.alloc_shared([BK, D_tail], dtype)
             P_shared = T.alloc_shared([M, BK], dtype)
+            P_f32 = T.alloc_shared([M, BK] if split else [1, 4], acc_t)  # split: P for dS
             dS_shared = T.alloc_shared([M, BK], dtype)
             dkv_stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
             dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
@@ -285,21 +291,42 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 if exact:
                     for j in T.Parallel(BK):
                         inv_grid[j] = InvGrid[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
-                for h, j in T.Parallel(M, BK):
-                    acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
-                T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullCol)
-                for h, j in T.Parallel(M, BK):
-                    acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
-                T.copy(acc_p, P_shared)
+                if split:
+                    if tx < 128:
+                        for h, j in T.Parallel(M, BK):
+                            acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
+                        T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True)
+                        T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True)
+                        for h, j in T.Parallel(M, BK):
+                            acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
+                        T.copy(acc_p, P_shared)
+                        T.copy(acc_p, P_f32)
+                    else:
+                        T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True, clear_accum=True)
+                    T.sync_threads()
+                    if tx >= 128:
+                        # dS from the fp32 P (as in the unsplit kernel), through shared memory
+                        for h, j in T.Parallel(M, BK):
+                            acc_dp[h, j] = P_f32[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) \
+                                * sc[1]
+                        T.copy(acc_dp, dS_shared)
+                    T.sync_threads()
+                else:
+                    for h, j in T.Parallel(M, BK):
+                        acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
+                    T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    for h, j in T.Parallel(M, BK):
+                        acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
+                    T.copy(acc_p, P_shared)
 
-                T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                for h, j in T.Parallel(M, BK):
-                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
-                T.copy(acc_dp, dS_shared)
+                    T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
+                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                    for h, j in T.Parallel(M, BK):
+                        acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
+                    T.copy(acc_dp, dS_shared)
 
                 # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
                 # registers under the cap (the whole-row version spilled in the exact mode)
