@@ -32,7 +32,7 @@ LN2 = 0.6931471805599453
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               batch_scores: bool = False):
+               batch_scores: bool = True):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -167,7 +167,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
 
 
 def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      batch_scores: bool = False):
+                      batch_scores: bool = True):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
@@ -184,7 +184,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     Why: with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
     TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
     loaded with 16-byte ``cp.async`` by all 384 threads before the split.  ``batch_scores``
-    (trial knob) issues the three score GEMMs as one wgmma batch with a single wait.
+    issues the three score GEMMs as one wgmma batch with a single wait (run 24: -3 to -6%).
     Registers: the consumer holding scores and half the output gets 240 per thread, the other
     168, the producer 80 (``setmaxnreg``; 240 + 168 + 80 <= 3 x 168).
     """
