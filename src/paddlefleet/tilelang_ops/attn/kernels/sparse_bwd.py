@@ -75,7 +75,7 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
          dkv_transposed: bool | None = None, overlap_scatter: bool = False,
-         split_scores: bool = False, fast_round: bool = True):
+         split_scores: bool = False):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -142,7 +142,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     U_CLAMP = float(2**40)
     EXP_CLAMP = float(2**100)
     U_FLOOR = float(2**-120)
-    RINT_LIMIT = float(2**23)
     assert D % CW == 0 and CW >= D_tail
     # the overlapped schedule treats the rope tail as one more chunk: same width, same buffers
     overlap = overlap_scatter and dkv_transposed and CW == D_tail
@@ -178,27 +177,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                     stage[j, d] = acc[j, d]
 
     @T.macro
-    def rint(x):
-        # round half to even.  fast_round: for |x| < 2^23, x + copysign(2^23, x) lands where
-        # fp32's spacing is 1, so the add rounds x to an integer (ties to even: 2^23 is even)
-        # and the subtraction is exact; from 2^23 up every fp32 is an integer already.  Four
-        # FMA-pipe operations instead of FRND, which goes through the conversion unit and the
-        # MIO queue the shared-memory traffic already saturates (ncu: the exact mode's extra
-        # short-scoreboard stalls).  Equal to T.round but for the sign of a zero result, which
-        # adds the same to an accumulator that starts at +0.  __fadd_rn / __fsub_rn are never
-        # contracted or reassociated.
-        if fast_round:
-            return T.if_then_else(
-                T.abs(x) < RINT_LIMIT,
-                T.call_extern(acc_t, "__fsub_rn",
-                              T.call_extern(acc_t, "__fadd_rn", x,
-                                            T.if_then_else(x < 0, -RINT_LIMIT, RINT_LIMIT)),
-                              T.if_then_else(x < 0, -RINT_LIMIT, RINT_LIMIT)),
-                x)
-        else:
-            return T.round(x)
-
-    @T.macro
     def scatter4(u_cols, r4, stage, dkv_acc, b_i, idx, col, j, d4):
         # one float4 of staged row j.  Exact mode: the running max |c / g| taken before the
         # rounding (so a grid too coarse still shows the size), then the rounding, into
@@ -210,7 +188,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             u_cols[j, d4] = T.max(u_cols[j, d4], T.max(T.max(T.abs(r4[0]), T.abs(r4[1])),
                                                        T.max(T.abs(r4[2]), T.abs(r4[3]))))
             for t in T.serial(4):
-                r4[t] = rint(r4[t])
+                r4[t] = T.round(r4[t])
             if idx >= 0:
                 T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], r4[0])
         elif idx >= 0:
