@@ -74,8 +74,7 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
-         dkv_transposed: bool | None = None, overlap_scatter: bool = False,
-         split_scores: bool = False):
+         dkv_transposed: bool | None = None):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -143,12 +142,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     EXP_CLAMP = float(2**100)
     U_FLOOR = float(2**-120)
     assert D % CW == 0 and CW >= D_tail
-    # the overlapped schedule treats the rope tail as one more chunk: same width, same buffers
-    overlap = overlap_scatter and dkv_transposed and CW == D_tail
-    NC = D // CW  # latent chunks
-    # warpgroup 0 computes S and P while warpgroup 1 computes dP (each a full [64, BK] wgmma,
-    # reading Q resp. dO once instead of both warpgroups reading both): 64-head tiles only
-    split = split_scores and heads_per_cta == 64 and threads == 256
 
     def dkv_shape(width):
         return [width, BK] if dkv_transposed else [BK, width]
@@ -194,36 +187,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         elif idx >= 0:
             T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], stage[j, d4 * 4])
 
-    @T.macro
-    def issue_chunk(c, acc, Q_shared, Q_tail_shared, dO_shared, dS_shared, P_shared):
-        # chunk c of dKV^T (c == NC: the rope tail) on the tensor cores, no wait
-        if c < NC:
-            T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc, transpose_A=True,
-                         policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wgmma_gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc, transpose_A=True,
-                         policy=T.GemmWarpPolicy.FullRow)
-        else:
-            T.wgmma_gemm(Q_tail_shared, dS_shared, acc, transpose_A=True,
-                         policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-
-    @T.macro
-    def chunk_chain(c, acc, acc_next, Q_shared, Q_tail_shared, dO_shared, dS_shared, P_shared,
-                    stage, inv_grid, u_cols, r4, dkv_acc, Indices, b_i, s_i, k_i):
-        # chunk c was issued into acc: once it lands, issue chunk c + 1 into the other
-        # accumulator and stage and scatter chunk c meanwhile, so the atomics and the staging
-        # overlap the tensor cores (two register stages, as cuDNN's SM90 backward does)
-        T.wait_wgmma(0)
-        if c < NC:
-            issue_chunk(c + 1, acc_next, Q_shared, Q_tail_shared, dO_shared, dS_shared,
-                        P_shared)
-        stage_rows(stage, acc, inv_grid, CW)
-        for j, d4 in T.Parallel(BK, CW // 4):
-            scatter4(u_cols, r4, stage, dkv_acc, b_i, Indices[b_i, s_i, k_i * BK + j], c * CW, j,
-                     d4)
-        if c < NC:
-            chunk_chain(c + 1, acc_next, acc, Q_shared, Q_tail_shared, dO_shared, dS_shared,
-                        P_shared, stage, inv_grid, u_cols, r4, dkv_acc, Indices, b_i, s_i, k_i)
-
     @T.prim_func
     def sparse_bwd_main(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -241,14 +204,12 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         BoundExp: T.Tensor([B, S_kv], "int32"),
     ):
         with T.Kernel(S, B, H_pad // M, threads=threads) as (s_i, b_i, g_i):
-            tx = T.get_thread_binding()
             Q_shared = T.alloc_shared([M, D], dtype)
             Q_tail_shared = T.alloc_shared([M, D_tail], dtype)
             dO_shared = T.alloc_shared([M, D], dtype)
             KV_shared = T.alloc_shared([BK, D], dtype)
             KV_tail_shared = T.alloc_shared([BK, D_tail], dtype)
             P_shared = T.alloc_shared([M, BK], dtype)
-            P_f32 = T.alloc_shared([M, BK] if split else [1, 4], acc_t)  # split: P for dS
             dS_shared = T.alloc_shared([M, BK], dtype)
             dkv_stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
             dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
@@ -261,7 +222,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             acc_dq = T.alloc_fragment([M, D], acc_t)
             acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
             acc_dkv = T.alloc_fragment(dkv_shape(CW), acc_t)
-            acc_dkv2 = T.alloc_fragment(dkv_shape(CW), acc_t)  # overlap: the second stage
             acc_dkv_tail = T.alloc_fragment(dkv_shape(D_tail), acc_t)
             # running max |c / g| per (slot, 4-column group), taken while scattering and reduced
             # once per block (a reduce straight from the GEMM's accumulator layout does not lower)
@@ -293,87 +253,60 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 if exact:
                     for j in T.Parallel(BK):
                         inv_grid[j] = InvGrid[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
-                if split:
-                    if tx < 128:
-                        for h, j in T.Parallel(M, BK):
-                            acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
-                        T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True)
-                        T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True)
-                        for h, j in T.Parallel(M, BK):
-                            acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
-                        T.copy(acc_p, P_shared)
-                        T.copy(acc_p, P_f32)
-                    else:
-                        T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True, clear_accum=True)
-                    T.sync_threads()
-                    if tx >= 128:
-                        # dS from the fp32 P (as in the unsplit kernel), through shared memory
-                        for h, j in T.Parallel(M, BK):
-                            acc_dp[h, j] = P_f32[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) \
-                                * sc[1]
-                        T.copy(acc_dp, dS_shared)
-                    T.sync_threads()
-                else:
-                    for h, j in T.Parallel(M, BK):
-                        acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
-                    T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    for h, j in T.Parallel(M, BK):
-                        acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
-                    T.copy(acc_p, P_shared)
+                for h, j in T.Parallel(M, BK):
+                    acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
+                T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                for h, j in T.Parallel(M, BK):
+                    acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
+                T.copy(acc_p, P_shared)
 
-                    T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
-                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    for h, j in T.Parallel(M, BK):
-                        acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
-                    T.copy(acc_dp, dS_shared)
+                T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
+                       policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                for h, j in T.Parallel(M, BK):
+                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
+                T.copy(acc_dp, dS_shared)
 
                 # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
                 # registers under the cap (the whole-row version spilled in the exact mode)
                 if exact:
                     T.fill(u_cols, 0)
-                if overlap:
-                    issue_chunk(0, acc_dkv, Q_shared, Q_tail_shared, dO_shared, dS_shared,
-                                P_shared)
-                    chunk_chain(0, acc_dkv, acc_dkv2, Q_shared, Q_tail_shared, dO_shared,
-                                dS_shared, P_shared, dkv_stage, inv_grid, u_cols, r4, dKV_acc,
-                                Indices, b_i, s_i, k_i)
-                else:
-                    for c in T.serial(D // CW):
-                        if dkv_transposed:
-                            # issued without a wait: the next GEMM's wait covers both
-                            T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
-                                         transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                                         clear_accum=True)
-                            T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
-                                   transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                        else:
-                            T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                                   transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                                   clear_accum=True)
-                            T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                                   transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                        stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
-                        for j, d4 in T.Parallel(BK, CW // 4):
-                            scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
-                                     Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
+                for c in T.serial(D // CW):
                     if dkv_transposed:
-                        # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
-                        # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
-                        T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
-                               policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                        # issued without a wait: the next GEMM's wait covers both
+                        T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
+                                     transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                                     clear_accum=True)
+                        T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
+                               transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     else:
-                        T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
-                               policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    stage_rows(dkv_tail_stage, acc_dkv_tail, inv_grid, D_tail)
-                    # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols
-                    # keeps one layout; the tail's 16 column groups use the first 16 of them
+                        T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                               clear_accum=True)
+                        T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                    stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
                     for j, d4 in T.Parallel(BK, CW // 4):
-                        if d4 < D_tail // 4:
-                            scatter4(u_cols, r4, dkv_tail_stage, dKV_acc, b_i,
-                                     Indices[b_i, s_i, k_i * BK + j], D, j, d4)
+                        scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
+                                 Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
+
+                if dkv_transposed:
+                    # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
+                    # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
+                    T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                else:
+                    T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                stage_rows(dkv_tail_stage, acc_dkv_tail, inv_grid, D_tail)
+                # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
+                # one layout; the tail's 16 column groups use the first 16 of them
+                for j, d4 in T.Parallel(BK, CW // 4):
+                    if d4 < D_tail // 4:
+                        scatter4(u_cols, r4, dkv_tail_stage, dKV_acc, b_i,
+                                 Indices[b_i, s_i, k_i * BK + j], D, j, d4)
                 if exact:
                     T.reduce_max(u_cols, u_frag, dim=1)
                     T.copy(u_frag, u_stage)
