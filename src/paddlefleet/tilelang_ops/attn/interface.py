@@ -180,9 +180,7 @@ def _grid_estimate(ops, q, grad_out, kv, valid, flat_idx, sm_scale):
     don = ops.cast(ops.row_norm(grad_out), "float64")
     kv_rms = ops.cast(kv_rms, "float64")
     w = don * don * ((qn * (kv_rms * sm_scale)) ** 2 / d_k + 1.0 / d_v)
-    # counted in int64 (the framework's sum of bools), then widened: the same exact counts as
-    # summing fp64 ones, without an fp64 copy of the [B, S, L] mask
-    n_valid = ops.cast(ops.sum(valid, axis=-1), "float64")  # [B, S]
+    n_valid = ops.sum(ops.cast(valid, "float64"), axis=-1)  # [B, S]
     one = ops.full((1,), 1.0, "float64", n_valid)
     c_row = 4.0 * ops.sqrt(ops.sum(w, axis=-1)) / ops.where(n_valid > 0, n_valid, one)
     # fixed point with the largest row at 2^40: sums of <= 2^22 rows stay below 2^63
@@ -193,7 +191,7 @@ def _grid_estimate(ops, q, grad_out, kv, valid, flat_idx, sm_scale):
     est = ops.put_along_axis(ops.zeros((b, ops.shape(kv)[1]), "int64", c_fx), flat_idx,
                              ops.reshape(vals, (b, s * l)), axis=1, reduce="add")
     est_f = ops.cast(est, "float64")
-    e = ops.ceil(ops.log2(ops.where(est_f > 0, est_f, one)))
+    e = ops.ceil(ops.log2(ops.where(est_f > 0, est_f, ops.full((1,), 1.0, "float64", est_f))))
     e = e - ops.cast(frac_bits, "float64") + float(GRID_MARGIN_BITS - EXACT_BITS)
     return e.clip(*_GRID_EXP_RANGE)
 
@@ -223,7 +221,7 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
             f"query: S={s} x {plan.num_groups} head group(s) rows may add to one key, more than "
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
     valid = idx >= 0
-    flat_idx = ops.reshape(idx.clip(0), (b, s * l))  # a -1 slot names key 0 (valid masks it)
+    flat_idx = ops.reshape(ops.where(valid, idx, ops.zeros((1,), "int32", idx)), (b, s * l))
     e = _grid_estimate(ops, query, grad_out, kv, valid, flat_idx, sm_scale)  # real heads only
     one = ops.full((1,), 1.0, "float32", q)
     inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
