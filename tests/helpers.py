@@ -264,7 +264,7 @@ class CpuStandIn:
         self.calls.append(("pre",))
         _write(delta, (to_numpy(out2d).astype(np.float64) * to_numpy(do2d)).sum(-1))
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, rerun,
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
                  dq, acc, bound, bound_exp):
         Q, KV = to_numpy(q).astype(np.float64), to_numpy(kv).astype(np.float64)
         DO, I = to_numpy(do), to_numpy(idx)
@@ -275,9 +275,8 @@ class CpuStandIn:
         self.calls.append(("main", m, h_pad, I.shape[-1], mode, with_dq))
         assert mode in ("atomic", "exact") and (with_dq or mode == "exact")
         valid = I >= 0
-        if not with_dq:  # only the slots whose key is flagged for the re-run
-            flags = to_numpy(rerun)
-            valid &= np.stack([flags[b][np.where(valid[b], I[b], 0)] != 0 for b in range(B)])
+        if not with_dq:  # only the first counts[b, s] slots of each row
+            valid &= np.arange(I.shape[-1]) < to_numpy(counts)[:, :, None]
         if mode == "exact":
             INV = to_numpy(inv_grid).astype(np.float64)
             BOUND, BEXP = to_numpy(bound), to_numpy(bound_exp)
@@ -312,10 +311,10 @@ class CpuStandIn:
             _write(bound, BOUND)
             _write(bound_exp, BEXP)
             if not with_dq:
-                touched = np.zeros(BOUND.shape, bool)
+                rerun = np.zeros(BOUND.shape, bool)
                 for b in range(B):
-                    touched[b, I[b][valid[b]]] = True
-                self.rerun_bounds.append(int((BOUND - before)[touched].max(initial=0)))
+                    rerun[b, I[b][valid[b]]] = True
+                self.rerun_bounds.append(int((BOUND - before)[rerun].max(initial=0)))
 
 
 # --- shared inputs ------------------------------------------------------------------------------

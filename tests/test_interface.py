@@ -122,43 +122,6 @@ def test_exact_dkv_reruns_keys_over_their_bound(fw, margin, monkeypatch):
     assert rel_l2(dq, ref_dq) < 1e-2 and rel_l2(dkv, ref_dkv) < 1e-2
 
 
-class _RerunArgs(CpuStandIn):
-    """Keeps (with_dq, indices, re-run flags) of every main-kernel launch."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, rerun,
-                 *rest):
-        self.seen.append((with_dq, to_numpy(idx), None if with_dq else to_numpy(rerun)))
-        super().bwd_main(m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, rerun,
-                         *rest)
-
-
-@pytest.mark.parametrize("fw", FRAMEWORKS)
-@pytest.mark.parametrize("margin", [None, -40])
-def test_exact_rerun_takes_the_indices_and_per_key_flags(fw, margin, monkeypatch):
-    """The re-run launch gets the first pass's indices as they are and one int32 flag per key
-    ``[B, S_kv]`` (no compaction on the host): no key flagged with the default grid margin,
-    every selected key when the first-pass grid is 2^40 too fine."""
-    B, S_kv = 2, 64
-    q, kv, do, sk, idx = _case(fw, B, 6, S_kv, 16, 64, True, seed=5, empty_rows=(2,))
-    prov = _RerunArgs()
-    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    if margin is not None:
-        monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
-    interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
-    (dq1, idx1, _), (dq2, idx2, flags) = prov.seen
-    assert dq1 and not dq2
-    np.testing.assert_array_equal(idx2, idx1)
-    assert flags.dtype == np.int32 and flags.shape == (B, S_kv)
-    I = to_numpy(idx)
-    for b in range(B):
-        want = set() if margin is None else set(I[b][I[b] >= 0].tolist())
-        assert set(np.flatnonzero(flags[b]).tolist()) == want
-
-
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("what, factor", [("grad_out", 1e-24), ("grad_out", 1e18),
                                           ("kv_outlier", 1e10)])

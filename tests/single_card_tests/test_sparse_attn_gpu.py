@@ -104,7 +104,7 @@ if cuda_available():
                       [("delta", delta, True)])
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
-                     rerun, dq, acc, bound, bound_exp):
+                     counts, dq, acc, bound, bound_exp):
             # dq is written whole (poisoned first) by the pass that computes it; the
             # accumulators are added into, so they keep their contents
             outs = [("dq", dq, True)] if with_dq else []
@@ -116,7 +116,7 @@ if cuda_available():
             def launch(v):
                 d = dict(zip([n for n, _, _ in outs], v))
                 super(GuardedKernels, self).bwd_main(
-                    m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, rerun,
+                    m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
                     d.get("dq", d.get("dq_untouched")), d["dkv_acc"], d["bound"],
                     d["bound_exp"])
 

@@ -247,11 +247,11 @@ class StageClock:
     """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main) that
     launches through ``inner`` with a clock mark on each side of every launch.  It keeps what
     the deterministic backward hands its exact dKV passes: the first pass's per-key bound and
-    the re-run pass's indices and per-key re-run flags."""
+    the re-run pass's indices (its keys' slots, ``-1`` elsewhere)."""
 
     def __init__(self, clock, inner):
         self.clock, self.inner, self.device = clock, inner, inner.device
-        self.marks, self.bound, self.rerun_idx, self.rerun_flags = [], None, None, None
+        self.marks, self.bound, self.rerun_idx = [], None, None
 
     def _launch(self, stage, launch, *args):
         start = self.clock.mark()
@@ -265,14 +265,14 @@ class StageClock:
         self._launch("preprocess", self.inner.bwd_preprocess, *args)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, rerun, dq, dkv_acc, bound, bound_exp):
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
         self._launch("main" if with_dq else "main re-run", self.inner.bwd_main, heads_per_cta,
                      mode, with_dq, q, kv, grad_out, indices, lse2, delta, scale, inv_grid,
-                     rerun, dq, dkv_acc, bound, bound_exp)
+                     counts, dq, dkv_acc, bound, bound_exp)
         if mode == "exact" and with_dq:
             self.bound = bound.clone()  # the re-run adds to it
         elif mode == "exact":
-            self.rerun_idx, self.rerun_flags = indices, rerun
+            self.rerun_idx = indices
 
 
 def stage_report(torch, clock, fn, inputs, reps, inner) -> dict:
@@ -299,10 +299,9 @@ def stage_report(torch, clock, fn, inputs, reps, inner) -> dict:
     if rec.bound is not None:
         used = rec.bound[rec.bound > 0].double()
         room = torch.log2(2.0 ** EXACT_BITS / used).cpu().numpy()
-        idx, flags = rec.rerun_idx.long(), rec.rerun_flags != 0  # [B, S, L], [B, S_kv]
-        taken = torch.gather(flags, 1, idx.clamp(min=0).flatten(1)).view_as(idx) & (idx >= 0)
-        rep["exact"] = {"keys": used.numel(), "keys_rerun": int(flags.sum()),
-                        "slots_rerun": int(taken.sum()),
+        rerun = rec.rerun_idx[rec.rerun_idx >= 0]
+        rep["exact"] = {"keys": used.numel(), "keys_rerun": torch.unique(rerun).numel(),
+                        "slots_rerun": rerun.numel(),
                         "headroom_bits": np.quantile(room, [0, 0.01, 0.5, 0.99, 1]).tolist()}
     return rep
 

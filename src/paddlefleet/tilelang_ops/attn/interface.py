@@ -86,12 +86,12 @@ class TileLangKernels:
         self._kernel(("bwd_pre", int(out2d.shape[-1])))(out2d, grad_out2d, delta)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, rerun, dq, dkv_acc, bound, bound_exp):
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
         from .kernels import main_args
 
         key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), int(q.shape[-1]),
                                         int(grad_out.shape[-1]))
-        self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, rerun, dq,
+        self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq,
                           dkv_acc, bound, bound_exp)
 
 
@@ -209,10 +209,9 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     With ``U_j >= sum u`` (``Bound_j``, or ``S G 2^BoundExp_j`` if a ``u`` was clamped at
     ``2^40``), the grid ``g_j 2^-t`` keeps the bound for ``2^t U_j <= 2^24 - S G``; keys whose
     first grid was too fine (``Bound_j > 2^24``) or ``RERUN_COARSE_BITS`` or more too coarse
-    are cleared and re-run (``with_dq=False`` with their per-key flags: the kernel walks every
-    row's slots and only those of flagged keys add) on the grid of the largest such ``t``.
-    Everything stays on the device, no host sync; a re-run with no keys costs one launch that
-    reads the indices and flags and stops.  ``docs/conventions.md`` has the proof.
+    are cleared and re-run (``with_dq=False``, on their slots only, moved to the front of each
+    row) on the grid of the largest such ``t``.  Everything stays on the device, no host sync;
+    a re-run with no keys costs one near-empty launch.  ``docs/conventions.md`` has the proof.
     """
     b, s, l = ops.shape(idx)
     s_kv, d_k = ops.shape(kv)[1], ops.shape(kv)[2]
@@ -228,9 +227,9 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
-    unused = ops.empty((b, s_kv), "int32", q)  # the first pass reads no re-run flags
+    counts = ops.full((b, s), l, "int32", q)
     provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
-                      inv_grid, unused, dq, acc, bound, bound_exp)
+                      inv_grid, counts, dq, acc, bound, bound_exp)
 
     # Sum_contributions u_j <= U_j: Bound_j (each term ceil(u) >= u), or, when a clamp at 2^40
     # left Bound short, (rows x groups) * 2^BoundExp_j; the tighter of the two that holds.
@@ -253,9 +252,17 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     t = ops.where(over, t, ops.zeros((1,), "float64", t))
     inv_grid = ops.ldexp(inv_grid, ops.cast(t, "int32"))
     acc = ops.where(ops.reshape(over, (b, s_kv, 1)), ops.zeros((1,), "float32", acc), acc)
-    # the kernel reads the flags per slot: only the slots of the keys re-run take part
-    provider.bwd_main(plan.heads_per_cta, "exact", False, q, kv, do, idx, lse2, delta, scale,
-                      inv_grid, ops.cast(over, "int32"), dq, acc, bound, bound_exp)
+    # the re-run keys' slots first in each row (stable), -1 after them
+    over_i = ops.cast(over, "int32")  # (Paddle gathers no bool)
+    rerun = (ops.reshape(ops.take_along_axis(over_i, flat_idx, axis=1), (b, s, l)) > 0) & valid
+    pos = ops.cast(ops.cumsum(ops.cast(rerun, "int32"), axis=-1), "int32") - 1
+    minus1 = ops.full((1,), -1, "int32", idx)
+    target = ops.where(rerun, pos, ops.full((1,), l - 1, "int32", idx))
+    idx2 = ops.put_along_axis(ops.full((b, s, l), -1, "int32", idx), target,
+                              ops.where(rerun, idx, minus1), axis=-1)
+    counts = ops.cast(ops.sum(ops.cast(rerun, "int32"), axis=-1), "int32")
+    provider.bwd_main(plan.heads_per_cta, "exact", False, q, kv, do, idx2, lse2, delta, scale,
+                      inv_grid, counts, dq, acc, bound, bound_exp)
     return acc * ops.reshape(one / inv_grid, (b, s_kv, 1))
 
 
@@ -422,7 +429,7 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
         dkv32 = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
         unused = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
         provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
-                          delta_p, scale, unused, ops.empty((B, dims.S_kv), "int32", q), dq, dkv32,
+                          delta_p, scale, unused, ops.empty((B, S), "int32", q), dq, dkv32,
                           ops.empty((B, dims.S_kv), "int64", q),
                           ops.empty((B, dims.S_kv), "int32", q))
     # queued behind the main kernel: its host time overlaps the kernel

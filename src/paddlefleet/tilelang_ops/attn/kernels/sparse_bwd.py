@@ -18,9 +18,6 @@ Run in this order by ``attn/interface.py``:
                    also sums a bound that proves it (``interface._exact_dkv``).
                  * atomic (``mode="atomic"``): plain fp32 (order-dependent rounding).
 
-                 ``with_dq=False`` (the exact mode's re-run) walks the same slots, but only those
-                 whose key is flagged in ``Rerun`` take part; key blocks without one are skipped.
-
 Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
 ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
 value in the one-element tensor ``Scale``.  All kernels compile with ``settings.PASS_CONFIGS``.
@@ -34,9 +31,6 @@ from tilelang import language as T  # noqa: E402
 __all__ = ["preprocess", "main"]
 
 LOG2E = 1.4426950408889634
-#: Slots per thread whose re-run flags a ``with_dq=False`` CTA loads at once (unrolled: the
-#: loads are all in flight together); one chunk of flags is ``threads * RERUN_UNROLL`` slots.
-RERUN_UNROLL = 8
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
@@ -87,8 +81,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     ``dO [B, S, H_pad, Dv] bf16``, ``Indices [B, S, L] int32``, ``Lse2 [B, S, H_pad] fp32``
     (base-2, sink-inclusive, finite), ``Delta [B, S, H_pad] fp32``, ``Scale [1] fp32``
     (``sm_scale``), ``InvGrid [B, S_kv] fp32`` (exact mode: ``1 / g_j``, a power of two per
-    key row), ``Rerun [B, S_kv] int32`` (``with_dq=False``: nonzero for the keys to re-run),
-    outputs ``dQ [B, S, H_pad, Dk] bf16``, the accumulator
+    key row), ``Counts [B, S] int32`` (``with_dq=False``: slots to process per row, a prefix of
+    ``Indices``), outputs ``dQ [B, S, H_pad, Dk] bf16``, the accumulator
     ``dKV_acc [B, S_kv, Dk] fp32`` (zeroed by the caller), ``Bound [B, S_kv] int64`` and
     ``BoundExp [B, S_kv] int32`` (exact mode; zeroed by the caller).  Arguments a mode does not
     use are not read.
@@ -109,15 +103,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
       guarantees it.  The host re-runs the keys that exceed it on a coarser grid, and those
       whose grid proves far too coarse on a finer one (``interface._exact_dkv``).
 
-    ``with_dq=False`` (the exact mode's re-run) skips dQ's GEMMs and store, and a slot takes
-    part only if ``idx >= 0`` and ``Rerun[b, idx] != 0``: the others are masked like ``-1`` slots
-    (``P = 0``) and their atomics (dKV row, ``Bound``, ``BoundExp``) are not issued, so they add
-    nothing and touch nothing.  A CTA first reads its row's flags (``RERUN_UNROLL`` independent
-    loads per thread) and stops there, before loading Q / dO, when no slot takes part: with no
-    key to re-run the launch costs one pass over the indices.  Otherwise it walks the key blocks
-    in a plain loop (not pipelined: a skipped block then leaves no cp.async group or stage
-    behind) and skips a block with no taking-part slot after one barrier (``syncthreads_or``
-    of the flags, which each thread keeps in registers for ``threads * RERUN_UNROLL`` slots).
+    ``with_dq=False`` (the exact mode's re-run) skips dQ's GEMMs and store and walks only the
+    first ``Counts[b, s]`` slots of each row (the host moves the re-run keys' slots to the front;
+    a row with ``Counts = 0`` does nothing).
 
     Schedule knobs (static; defaults measured on H200 at B=1 S=4096 S_kv=8192 H=64 topk=2048,
     docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async) right
@@ -154,12 +142,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     EXP_CLAMP = float(2**100)
     U_FLOOR = float(2**-120)
     assert D % CW == 0 and CW >= D_tail
-    # the re-run's flags: slot q of a chunk is held by thread q % threads in its register
-    # flags[q // threads]; a key block (BK divides threads) lies within one register index
-    CHUNK = threads * RERUN_UNROLL
-    assert BK % 32 == 0 and threads % BK == 0
-    BLOCKS_PER_CHUNK = CHUNK // BK
-    BLOCKS_PER_ROUND = threads // BK
 
     def dkv_shape(width):
         return [width, BK] if dkv_transposed else [BK, width]
@@ -187,24 +169,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 else:
                     stage[j, d] = acc[j, d]
 
-    def takes(idx, take_bits, j):
-        # whether slot j of the key block adds anything: any valid slot with dQ; in the re-run
-        # its bit in the block's ballot words (the flags of the valid slots whose key re-runs)
-        if with_dq:
-            return idx >= 0
-        return ((take_bits[j // 32] >> T.Cast("uint32", j % 32)) & T.uint32(1)) != T.uint32(0)
-
     @T.macro
-    def load_flags(flags, Indices, Rerun, b_i, s_i, slot0):
-        # flags[u] = Rerun[b, key] of slot slot0 + u * threads (0 for a -1 slot or one past L);
-        # every load is clamped in range, and the RERUN_UNROLL loads do not depend on each other
-        for u in T.unroll(RERUN_UNROLL):
-            slot = slot0 + u * threads
-            key = Indices[b_i, s_i, T.min(slot, L - 1)]
-            flags[u] = T.if_then_else(slot < L and key >= 0, Rerun[b_i, T.max(key, 0)], 0)
-
-    @T.macro
-    def scatter4(u_cols, r4, stage, dkv_acc, b_i, idx, take_bits, col, j, d4):
+    def scatter4(u_cols, r4, stage, dkv_acc, b_i, idx, col, j, d4):
         # one float4 of staged row j.  Exact mode: the running max |c / g| taken before the
         # rounding (so a grid too coarse still shows the size), then the rounding, into
         # registers: rounded in place, the atomic's read of the staging row needed two CTA
@@ -216,9 +182,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                                                        T.max(T.abs(r4[2]), T.abs(r4[3]))))
             for t in T.serial(4):
                 r4[t] = T.round(r4[t])
-            if takes(idx, take_bits, j):
+            if idx >= 0:
                 T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], r4[0])
-        elif takes(idx, take_bits, j):
+        elif idx >= 0:
             T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], stage[j, d4 * 4])
 
     @T.prim_func
@@ -231,7 +197,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         Delta: T.Tensor([B, S, H_pad], acc_t),
         Scale: T.Tensor([1], acc_t),
         InvGrid: T.Tensor([B, S_kv], acc_t),
-        Rerun: T.Tensor([B, S_kv], "int32"),
+        Counts: T.Tensor([B, S], "int32"),
         dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
         dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
         Bound: T.Tensor([B, S_kv], "int64"),
@@ -267,54 +233,18 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
+            T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
+            T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+            T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
             if with_dq:
-                T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-                T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
-                T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
                 T.clear(acc_dq)
                 T.clear(acc_dq_tail)
-                take_bits = None
-            else:
-                # the re-run: one pass over the row's flags first; a row with no slot to re-run
-                # (the common case) ends here, before loading Q / dO
-                take_bits = T.alloc_shared([BK // 32], "uint32")
-                flags = T.alloc_local([RERUN_UNROLL], "int32")
-                hit = T.alloc_local([1], "int32")
-                tx = T.get_thread_binding()
-                hit[0] = 0
-                for ch in T.serial(T.ceildiv(L, CHUNK)):
-                    load_flags(flags, Indices, Rerun, b_i, s_i, ch * CHUNK + tx)
-                    for u in T.unroll(RERUN_UNROLL):
-                        hit[0] = hit[0] | flags[u]
-                hit[0] = T.syncthreads_or(hit[0] != 0)
-                if hit[0] != 0:
-                    T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-                    T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
-                    T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
-            num_blocks = L // BK if with_dq else T.if_then_else(hit[0] != 0, L // BK, 0)
+            num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
 
-            # the re-run walks a plain loop: a skipped block (continue) leaves no cp.async group
-            # or pipeline stage half done; it is cold code, with no overlap worth keeping
-            for k_i in (T.Pipelined(num_blocks, num_stages=num_stages) if with_dq
-                        else T.serial(num_blocks)):
-                if not with_dq:
-                    if k_i % BLOCKS_PER_CHUNK == 0:
-                        load_flags(flags, Indices, Rerun, b_i, s_i, k_i * BK + tx)
-                    # block k_i's slots are held by the threads tx // BK == kb % BLOCKS_PER_ROUND,
-                    # in flags[kb // BLOCKS_PER_ROUND] (kb: the block within its chunk)
-                    kb = k_i % BLOCKS_PER_CHUNK
-                    mine = tx // BK == kb % BLOCKS_PER_ROUND
-                    hit[0] = T.syncthreads_or(mine and flags[kb // BLOCKS_PER_ROUND] != 0)
-                    if hit[0] == 0:
-                        continue
-                    if mine:  # whole warps: the block's BK // 32 ballot words
-                        bits = T.ballot_sync(flags[kb // BLOCKS_PER_ROUND] != 0)
-                        if tx % 32 == 0:
-                            take_bits[(tx % BK) // 32] = T.Cast("uint32", bits)
+            for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
                 for j in T.Parallel(BK):
-                    valid[j] = takes(Indices[b_i, s_i, k_i * BK + j], take_bits, j)
-                # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0), as
-                # is a slot the re-run leaves out (it reads its own key and adds nothing)
+                    valid[j] = Indices[b_i, s_i, k_i * BK + j] >= 0
+                # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
                 for j, d in T.Parallel(BK, D):
                     KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
                 for j, d in T.Parallel(BK, D_tail):
@@ -360,7 +290,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                     stage_rows(dkv_stage, acc_dkv, inv_grid, CW)
                     for j, d4 in T.Parallel(BK, CW // 4):
                         scatter4(u_cols, r4, dkv_stage, dKV_acc, b_i,
-                                 Indices[b_i, s_i, k_i * BK + j], take_bits, c * CW, j, d4)
+                                 Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
 
                 if dkv_transposed:
                     # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
@@ -376,13 +306,13 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                 for j, d4 in T.Parallel(BK, CW // 4):
                     if d4 < D_tail // 4:
                         scatter4(u_cols, r4, dkv_tail_stage, dKV_acc, b_i,
-                                 Indices[b_i, s_i, k_i * BK + j], take_bits, D, j, d4)
+                                 Indices[b_i, s_i, k_i * BK + j], D, j, d4)
                 if exact:
                     T.reduce_max(u_cols, u_frag, dim=1)
                     T.copy(u_frag, u_stage)
                     for j in T.Parallel(BK):
                         idx = Indices[b_i, s_i, k_i * BK + j]
-                        if takes(idx, take_bits, j):
+                        if idx >= 0:
                             # one int64 add per (row, head group, slot) of ceil(u) >= max |k|:
                             # an exact sum; and the exponent of the largest u (>= 2^-120), which
                             # bounds u when a clamp makes the sum short and sizes a grid that
