@@ -7,7 +7,8 @@
 #   3. pytest with PyTorch: tests/single_card_tests + the CPU tests of the host logic and of the
 #      kernels' compilation (tests/test_interface.py, tests/test_tiling.py,
 #      tests/test_kernel_compile.py)
-#   4. compute-sanitizer memcheck of one small case (H=8, -1 rows), when compute-sanitizer exists
+#   4. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
+#      compute-sanitizer exists
 #   5. stage timing at the reference shape (tools/bench/bench_sparse_mqa.py --stages: each
 #      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
 #      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
@@ -52,13 +53,16 @@ RC=${PIPESTATUS[0]}
 
 if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
   step memcheck
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 tests/single_card_tests/memcheck_case.py > "$LOG/memcheck.tmp" 2>&1
-  MC=$?
-  grep -E "ERROR SUMMARY|memcheck case|Invalid|out of bounds" "$LOG/memcheck.tmp" | head -20 \
-    | tee -a "$SUITE"
-  echo "memcheck exit $MC" | tee -a "$SUITE"
-  rm -f "$LOG/memcheck.tmp"
+  # H=8: the 16-head tiles; H=100: the 64-head kernels, two groups, pad heads
+  for MH in 8 100; do
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python3 tests/single_card_tests/memcheck_case.py $MH > "$LOG/memcheck.tmp" 2>&1
+    MC=$?
+    grep -E "ERROR SUMMARY|memcheck case|Invalid|out of bounds" "$LOG/memcheck.tmp" | head -20 \
+      | tee -a "$SUITE"
+    echo "memcheck H=$MH exit $MC" | tee -a "$SUITE"
+    rm -f "$LOG/memcheck.tmp"
+  done
 fi
 
 step stage timing

@@ -1,8 +1,10 @@
 """One small case for ``compute-sanitizer --tool memcheck`` (run by tools/run_gpu_suite.sh):
-H=8 (head tile 16, so pad heads), top-k 100 (padded to 128 with -1), early rows with few keys
-and whole -1 rows, with a sink; forward, deterministic (also with the exact dKV's re-run
-forced) and atomic backward.  Any out-of-bounds
-access in a kernel is reported by the sanitizer; the script itself only checks for NaN."""
+``python memcheck_case.py [H]``, H=8 by default (head tile 16, so pad heads); H=100 runs the
+64-head kernels (the warp-specialised forward, the transposed dKV chunks) on two head groups
+with 28 pad heads.  Top-k 100 (padded to 128 with -1), early rows with few keys and whole -1
+rows, with a sink; forward, deterministic (also with the exact dKV's re-run forced) and atomic
+backward.  Any out-of-bounds access in a kernel is reported by the sanitizer; the script itself
+only checks for NaN."""
 
 import sys
 from pathlib import Path
@@ -14,7 +16,8 @@ import torch  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
 
-B, S, S_kv, H, L = 1, 16, 40, 8, 100
+H = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+B, S, S_kv, L = 1, 16, 40, 100
 g = torch.Generator(device="cuda").manual_seed(0)
 q = torch.randn((B, S, H, 576), generator=g, device="cuda").bfloat16()
 kv = torch.randn((B, S_kv, 576), generator=g, device="cuda").bfloat16()
@@ -31,4 +34,4 @@ interface.GRID_MARGIN_BITS = -20  # every key re-runs: the with_dq=False kernel 
 dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5)
 assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
 torch.cuda.synchronize()
-print("memcheck case done")
+print(f"memcheck case H={H} done")
