@@ -29,6 +29,28 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+@T.macro
+def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=None):
+    """The final factor ``alpha`` and ``lse_frag`` of each head row from the online softmax's
+    raw running max and sum: the sink is one more softmax column with a zero value, in base 2,
+    ``m = max(row_max * scale2, sink2)``, ``Z = row_sum 2^(row_max scale2 - m) + 2^(sink2 - m)``,
+    ``out = acc_o 2^(row_max scale2 - m) / Z`` (0 when ``Z = 0``: no key and no sink).  Also
+    into ``alpha_shared`` when given (the warp-specialised kernel's other consumer)."""
+    for h in T.Parallel(row_max.shape[0]):
+        m_key = row_max[h] * scale2[0]
+        sink2 = Sink[h0 + h] * LOG2E
+        m_all = T.max(m_key, sink2)
+        # no key and no sink: m_all = -inf, every weight 0 (not exp2(-inf - -inf))
+        w_key = T.if_then_else(m_all == -T.infinity("float32"), 0.0, T.exp2(m_key - m_all))
+        z = row_sum[h] * w_key + T.if_then_else(m_all == -T.infinity("float32"), 0.0,
+                                                T.exp2(sink2 - m_all))
+        alpha[h] = T.if_then_else(z > 0, w_key / z, 0)
+        if alpha_shared is not None:
+            alpha_shared[h] = alpha[h]
+        # natural, sink-exclusive: log2(0) = -inf for a row with no valid key
+        lse_frag[h] = (T.log2(row_sum[h]) + m_key) * LN2
+
+
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
@@ -143,20 +165,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
                 T.copy(acc_s, P_shared)
                 T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-            # Fold in the sink (a softmax column with a zero value), in base 2:
-            #   m = max(row_max * scale2, sink2); Z = row_sum * 2^(row_max*scale2 - m) + 2^(sink2 - m)
-            # out = acc_o * 2^(row_max*scale2 - m) / Z  (0 when Z = 0: no key and no sink).
-            for h in T.Parallel(M):
-                m_key = row_max[h] * scale2[0]
-                sink2 = Sink[h0 + h] * LOG2E
-                m_all = T.max(m_key, sink2)
-                # no key and no sink: m_all = -inf, every weight 0 (not exp2(-inf - -inf))
-                w_key = T.if_then_else(m_all == -T.infinity(acc_t), 0.0, T.exp2(m_key - m_all))
-                z = row_sum[h] * w_key + T.if_then_else(m_all == -T.infinity(acc_t), 0.0,
-                                                        T.exp2(sink2 - m_all))
-                alpha[h] = T.if_then_else(z > 0, w_key / z, 0)
-                # natural, sink-exclusive: log2(0) = -inf for a row with no valid key
-                lse_frag[h] = (T.log2(row_sum[h]) + m_key) * LN2
+            fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag)
             for h, d in T.Parallel(M, D):
                 acc_o[h, d] = acc_o[h, d] * alpha[h]
             T.copy(acc_o, O_shared)
@@ -364,17 +373,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                                         alpha, m_shift, alpha_shared, P_shared, scale2)
                 # the sink fold of sparse_fwd, then the final factor for warpgroup 1
                 T.barrier_wait(p_free[0], (NB & 1) ^ 1)
-                for h in T.Parallel(M):
-                    m_key = row_max[h] * scale2[0]
-                    sink2 = Sink[h0 + h] * LOG2E
-                    m_all = T.max(m_key, sink2)
-                    w_key = T.if_then_else(m_all == -T.infinity(acc_t), 0.0,
-                                           T.exp2(m_key - m_all))
-                    z = row_sum[h] * w_key + T.if_then_else(m_all == -T.infinity(acc_t), 0.0,
-                                                            T.exp2(sink2 - m_all))
-                    alpha[h] = T.if_then_else(z > 0, w_key / z, 0)
-                    alpha_shared[h] = alpha[h]
-                    lse_frag[h] = (T.log2(row_sum[h]) + m_key) * LN2
+                fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
                 T.barrier_arrive(fin_ready[0])
                 for h, d in T.Parallel(M, DH):
                     acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
