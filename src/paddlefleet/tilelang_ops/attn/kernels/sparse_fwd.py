@@ -30,6 +30,30 @@ LN2 = 0.6931471805599453
 
 
 @T.macro
+def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
+                 alpha_shared=None):
+    """One key block of the online softmax: raw scores ``acc_s [M, BK]`` become the block's
+    weights ``2^((s - m) scale2)``; the running max and sum move on, ``alpha`` is the factor for
+    the output accumulated so far (also into ``alpha_shared`` when given)."""
+    M, BK = acc_s.shape
+    T.copy(row_max, row_max_prev)
+    T.reduce_max(acc_s, row_max, dim=1, clear=False)
+    for h in T.Parallel(M):
+        row_max[h] = T.max(row_max[h], row_max_prev[h])
+        # no valid key yet (m = -inf): shift by 0 instead, so that no -inf - -inf (NaN) is
+        # formed; the scores and the previous max are -inf, exp2 gives 0
+        m_shift[h] = T.if_then_else(row_max[h] == -T.infinity("float32"), 0.0, row_max[h])
+        alpha[h] = T.exp2((row_max_prev[h] - m_shift[h]) * scale2[0])
+    for h, j in T.Parallel(M, BK):
+        acc_s[h, j] = T.exp2((acc_s[h, j] - m_shift[h]) * scale2[0])
+    T.reduce_sum(acc_s, blk_sum, dim=1)
+    for h in T.Parallel(M):
+        row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+        if alpha_shared is not None:
+            alpha_shared[h] = alpha[h]
+
+
+@T.macro
 def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=None):
     """The final factor ``alpha`` and ``lse_frag`` of each head row from the online softmax's
     raw running max and sum: the sink is one more softmax column with a zero value, in base 2,
@@ -146,20 +170,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
                 T.gemm(Q_tail_shared, K_tail_shared, acc_s, transpose_B=True,
                        policy=T.GemmWarpPolicy.FullRow)
 
-                T.copy(row_max, row_max_prev)
-                T.reduce_max(acc_s, row_max, dim=1, clear=False)
-                for h in T.Parallel(M):
-                    row_max[h] = T.max(row_max[h], row_max_prev[h])
-                    # no valid key yet (m = -inf): shift by 0 instead, so that no -inf - -inf
-                    # (NaN) is formed; the scores and the previous max are -inf, exp2 gives 0
-                    m_shift[h] = T.if_then_else(row_max[h] == -T.infinity(acc_t), 0.0,
-                                                row_max[h])
-                    alpha[h] = T.exp2((row_max_prev[h] - m_shift[h]) * scale2[0])
-                for h, j in T.Parallel(M, BK):
-                    acc_s[h, j] = T.exp2((acc_s[h, j] - m_shift[h]) * scale2[0])
-                T.reduce_sum(acc_s, blk_sum, dim=1)
-                for h in T.Parallel(M):
-                    row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
+                softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
+                             scale2)
                 for h, d in T.Parallel(M, D):
                     acc_o[h, d] = acc_o[h, d] * alpha[h]
                 T.copy(acc_s, P_shared)
@@ -237,19 +249,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
         # warpgroup 1 must be done with the previous P and rescale factor
         T.barrier_wait(p_free[0], (k & 1) ^ 1)
-        T.copy(row_max, row_max_prev)
-        T.reduce_max(acc_s, row_max, dim=1, clear=False)
-        for h in T.Parallel(M):
-            row_max[h] = T.max(row_max[h], row_max_prev[h])
-            # no valid key yet (m = -inf): shift by 0, never form -inf - -inf (see sparse_fwd)
-            m_shift[h] = T.if_then_else(row_max[h] == -T.infinity(acc_t), 0.0, row_max[h])
-            alpha[h] = T.exp2((row_max_prev[h] - m_shift[h]) * scale2[0])
-        for h, j in T.Parallel(M, BK):
-            acc_s[h, j] = T.exp2((acc_s[h, j] - m_shift[h]) * scale2[0])
-        T.reduce_sum(acc_s, blk_sum, dim=1)
-        for h in T.Parallel(M):
-            row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
-            alpha_shared[h] = alpha[h]
+        softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
+                     alpha_shared)
         for h, d in T.Parallel(M, DH):
             acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
         T.copy(acc_s, P_shared)
