@@ -18,7 +18,7 @@
 # writes $OUT/bench/.  Usage:
 #   bash tools/run_gpu_suite.sh [--quick | --no-bench]
 #     --quick: skip memcheck and benchmark; --no-bench: skip the benchmark only
-# Exit status: pytest's (the other steps only log).
+# Exit status: pytest's, else memcheck's (the other steps only log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -61,6 +61,7 @@ if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
     grep -E "ERROR SUMMARY|memcheck case|Invalid|out of bounds" "$LOG/memcheck.tmp" | head -20 \
       | tee -a "$SUITE"
     echo "memcheck H=$MH exit $MC" | tee -a "$SUITE"
+    [[ $MC == 0 || $RC != 0 ]] || RC=$MC  # a memcheck failure fails the suite too
     rm -f "$LOG/memcheck.tmp"
   done
 fi

@@ -159,6 +159,9 @@ CASES = [
     dict(id="H48_L2048_sink", B=1, S=32, S_kv=2100, H=48, L=2048, sink=True),
     dict(id="H64_L2048_sink", B=1, S=64, S_kv=2112, H=64, L=2048, sink=True),
     dict(id="H64_B2_L640_empty", B=2, S=40, S_kv=700, H=64, L=640, empty_rows=(3,)),
+    # 192 slots: an odd number (3) of the warp-specialised forward's 64-key blocks above one
+    dict(id="H64_L150_sink_oddblocks", B=1, S=40, S_kv=200, H=64, L=150, sink=True,
+         empty_rows=(7,)),
     dict(id="H64_bh16_L100_sink_i64", B=1, S=48, S_kv=120, H=64, L=100, sink=True,
          block_h=16, index_dtype="int64"),
     dict(id="H128_L512_sink", B=1, S=32, S_kv=560, H=128, L=512, sink=True),

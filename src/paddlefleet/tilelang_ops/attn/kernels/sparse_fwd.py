@@ -205,7 +205,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     Why: with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
     TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
     loaded with 16-byte ``cp.async`` by all 384 threads before the split.  ``batch_scores``
-    issues the three score GEMMs as one wgmma batch with a single wait (run 24: -3 to -6%).
+    issues the three score GEMMs with a single wait (run 24: -3 to -6%).
     Registers: the consumer holding scores and half the output gets 240 per thread, the other
     168, the producer 80 (``setmaxnreg``; 240 + 168 + 80 <= 3 x 168).
     """
@@ -234,6 +234,9 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                         Indices, b_i, s_i, k, parity, acc_s, acc_o_l, row_max, row_max_prev,
                         row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared, scale2):
         T.barrier_wait(kv_ready[0], parity)
+        # the producer's cp.async wrote the keys through the generic proxy; wgmma reads them
+        # through the async proxy
+        T.fence_proxy_async()
         for h, j in T.Parallel(M, BK):
             acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                          -T.infinity(acc_t))
@@ -241,8 +244,9 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             # one wait for the three (each T.gemm waits for its own wgmma group)
             T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
             T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
-            T.wgmma_gemm(Q_tail, K_tail, acc_s, transpose_B=True)
-            T.wait_wgmma(0)
+            # a plain gemm last: its wait covers the two groups before it, and it fences the
+            # accumulator after the wait (reads of acc_s cannot move above it)
+            T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
         else:
             T.gemm(Q_l, K_l, acc_s, transpose_B=True)
             T.gemm(Q_r, K_r, acc_s, transpose_B=True)
@@ -261,6 +265,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     @T.macro
     def right(K_r, kv_free, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared):
         T.barrier_wait(p_ready[0], k & 1)
+        T.fence_proxy_async()  # the keys, as in scores_and_left (P is fenced by its writer)
         for h, d in T.Parallel(M, DH):
             acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
         T.gemm(P_shared, K_r, acc_o_r)
@@ -279,7 +284,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                                T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
                 T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
                                T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
-            for u in T.serial(D_tail // 64 if D_tail >= 64 else 1):
+            for u in T.serial(-(-D_tail // 64)):
                 if (t % 8) * 8 + 64 * u < D_tail:
                     T.ptx_cp_async(T.access_ptr(K_tail[j, 64 * u + (t % 8) * 8], "w", 8),
                                    T.access_ptr(KV[b_i, row, D + 64 * u + (t % 8) * 8], "r", 8),
