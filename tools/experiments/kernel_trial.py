@@ -5,8 +5,15 @@ the shipped kernels' (relative L2, bitwise repeat of the deterministic backward)
 CUDA events (median).  Not a test and not the benchmark: a scratch tool for A/B decisions, whose
 printed lines go into docs/performance.md.
 
-    python3 tools/experiments/kernel_trial.py --fwd "ws_sync=64,256,1,True,False" \
-        --bwd "dkvt=256,1,128,True" --shapes ref,fleet,wave_ref,wave_fleet
+    source tools/gpu_env.sh
+    python3 tools/experiments/kernel_trial.py --fwd "plain=64,256,1,False" \
+        --bwd "rowmajor=256,1,128,False" --shapes ref,fleet --reps 10
+
+``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)``;
+``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
+(ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed).  Above, the plain
+forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
+leave one launch per call for Nsight Compute.
 """
 import argparse
 import sys
