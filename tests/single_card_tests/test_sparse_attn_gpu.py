@@ -141,7 +141,7 @@ def _inputs(case, seed):
     return q, kv, do, sink, idx
 
 
-# ~20 cases covering every H in {1..128}, sink on/off, B in {1, 2}, topk in {64, 100, 512, 640,
+# ~20 cases covering every H in {1..128}, sink on/off, B in {1, 2}, topk in {64, 100, 150, 512, 640,
 # 2048}, early rows with few keys (S_kv close to S), whole -1 rows, block_h 16/32, int64
 # indices and non-contiguous inputs.
 CASES = [
