@@ -77,8 +77,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None,
-               batch_scores: bool = True):
+               num_stages: int = 1, warp_specialized: bool | None = None):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -87,7 +86,6 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
         block_k: key block ``BK``; ``L`` must be a multiple of it.
         warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
             ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
-        batch_scores: warp-specialised only; see :func:`_warp_specialized`.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -99,7 +97,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, batch_scores)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -187,8 +185,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      batch_scores: bool = True):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
@@ -204,8 +201,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     with a "ready" (producer's copies landed) and a "free" (both consumers done) mbarrier.
     Why: with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
     TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
-    loaded with 16-byte ``cp.async`` by all 384 threads before the split.  ``batch_scores``
-    issues the three score GEMMs with a single wait (run 24: -3 to -6%).
+    loaded with 16-byte ``cp.async`` by all 384 threads before the split; the three score GEMMs
+    share one wait (run 24: -3 to -6%).
     Registers: the consumer holding scores and half the output gets 240 per thread, the other
     168, the producer 80 (``setmaxnreg``; 240 + 168 + 80 <= 3 x 168).
     """
@@ -240,17 +237,12 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         for h, j in T.Parallel(M, BK):
             acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                          -T.infinity(acc_t))
-        if batch_scores:
-            # one wait for the three (each T.gemm waits for its own wgmma group)
-            T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
-            T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
-            # a plain gemm last: its wait covers the two groups before it, and it fences the
-            # accumulator after the wait (reads of acc_s cannot move above it)
-            T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
-        else:
-            T.gemm(Q_l, K_l, acc_s, transpose_B=True)
-            T.gemm(Q_r, K_r, acc_s, transpose_B=True)
-            T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
+        # one wait for the three (each T.gemm waits for its own wgmma group): a plain gemm last,
+        # whose wait covers the groups before it and fences the accumulator after the wait
+        # (reads of acc_s cannot move above it)
+        T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
+        T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
+        T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
         # warpgroup 1 must be done with the previous P and rescale factor
         T.barrier_wait(p_free[0], (k & 1) ^ 1)
         softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
