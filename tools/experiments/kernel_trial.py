@@ -22,21 +22,20 @@ import time
 import torch
 
 sys.path.insert(0, "src")
+sys.path.insert(0, "tools/bench")
+import harness  # noqa: E402
+import model  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
 from paddlefleet.tilelang_ops.attn.kernels import main_args  # noqa: E402
 
 DK, DV = 576, 512
-DETS = (True, False)
-SHAPES = {  # B, S, S_kv, H, topk
-    "ref": (1, 4096, 8192, 64, 2048),
-    "fleet": (1, 8192, 8192, 64, 640),
-    "wave_ref": (1, 132, 8192, 64, 2048),  # one CTA per SM: the per-CTA time
-    "wave_fleet": (1, 132, 8192, 64, 640),
-    "tp8": (1, 4096, 8192, 8, 2048),
-    "h32": (1, 4096, 8192, 32, 2048),
-    "h128": (1, 4096, 8192, 128, 2048),
-}
+#: the benchmark's shapes, and three only the trials use
+SHAPES = dict(model.SHAPES, **{s.name: s for s in (
+    model.Shape("wave_ref", 1, 132, 8192, 64, 2048),  # one CTA per SM: the per-CTA time
+    model.Shape("wave_fleet", 1, 132, 8192, 64, 640),
+    model.Shape("h32", 1, 4096, 8192, 32, 2048),
+)})
 
 
 def parse_static(text):
@@ -75,17 +74,9 @@ class Variant(interface.TileLangKernels):
 
 
 def median_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock)."""
+    samples = harness.time_calls(harness.Clock(torch), lambda _: fn(), [None], 1, reps)
+    return harness.summarize(samples)["ms"]
 
 
 def rel(a, b):
@@ -93,8 +84,9 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def run_shape(name, providers, do_fwd, do_bwd, reps):
-    B, S, SKV, H, K = SHAPES[name]
+def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
+    sh = SHAPES[name]
+    B, S, SKV, H, K = sh.B, sh.S, sh.S_kv, sh.H, sh.topk
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn((B, S, H, DK), generator=g, device="cuda").bfloat16()
     kv = torch.randn((B, SKV, DK), generator=g, device="cuda").bfloat16()
@@ -121,7 +113,7 @@ def run_shape(name, providers, do_fwd, do_bwd, reps):
     for pname, prov in providers.items():
         if not do_bwd.get(pname, True):
             continue
-        for det in DETS:
+        for det in dets:
             f = lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
                                                         deterministic=det, check_indices=False,
                                                         provider=prov)
@@ -136,7 +128,8 @@ def run_shape(name, providers, do_fwd, do_bwd, reps):
 
 
 def precompile(providers, jobs=16):
-    """Build every kernel the trial launches at H=64, in parallel (TileLang's disk cache)."""
+    """Build every kernel the trial launches for 32- and 64-head tiles, in parallel (TileLang's
+    disk cache); other tiles compile on first use."""
     from concurrent.futures import ProcessPoolExecutor
 
     sys.path.insert(0, "tools")
@@ -180,11 +173,10 @@ def main():
         do_bwd["shipped"] = False
     if args.no_shipped:
         providers.pop("shipped")
-    global DETS
-    DETS = (False,) if args.atomic_only else (True, False)
+    dets = (False,) if args.atomic_only else (True, False)
     precompile(providers)
     for name in args.shapes.split(","):
-        run_shape(name, providers, do_fwd, do_bwd, args.reps)
+        run_shape(name, providers, do_fwd, do_bwd, args.reps, dets)
 
 
 if __name__ == "__main__":
