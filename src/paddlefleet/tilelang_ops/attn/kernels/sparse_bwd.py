@@ -74,7 +74,7 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
-         dkv_transposed: bool | None = None):
+         dkv_transposed: bool | None = None, warp_specialized: bool | None = None):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -120,6 +120,10 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
+    if warp_specialized is None:  # measured faster for 64-head tiles (run 29)
+        warp_specialized = heads_per_cta == 64
+    if warp_specialized and with_dq:
+        return _warp_specialized(heads_per_cta, d_qk, d_v, mode, block_k)
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -329,3 +333,288 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     return sparse_bwd_main
 
 
+
+
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_k: int = 32,
+                      dkv_chunk: int = 64):
+    """The 64-head main backward as two warpgroups (256 threads) with different roles, same
+    arguments and results as :func:`main` with ``with_dq=True`` (the exact re-run, which has no
+    dQ, keeps the one-role kernel).
+
+    * warpgroup 0: waits for key block ``i``, computes ``S``, ``P``, ``dP``, ``dS`` on its own
+      (``M = 64`` heads, ``N = BK`` keys: the query and dO tiles are read from shared memory once
+      per block, where two warpgroups splitting ``N`` read them twice), hands ``P`` / ``dS``
+      over in buffer ``i % 2`` and adds dQ's left half (256 latent columns);
+    * warpgroup 1: dQ's right half and rope tail; then, once both are done with the keys, the
+      gather of block ``i + 1`` (16-byte ``cp.async``, and the keys' grids in the exact mode);
+      then block ``i``'s dKV in 64-column chunks (the tail is a ninth chunk), staged and
+      scattered with vector atomics (the exact mode's scaling, rounding and bound as in
+      :func:`main`), while warpgroup 0 already computes block ``i + 1``: the scatter overlaps the
+      other warpgroup's GEMMs.
+
+    mbarriers: ``kv_full`` (the gather landed), ``kv_free`` (both done with the keys),
+    ``pds_full[b]`` / ``pds_free[b]`` (the P/dS buffer ``b`` handed over and back).  Warpgroup 0
+    walks the blocks in one loop with the buffer chosen at run time: two unrolled copies of its
+    body (one per buffer) made ptxas spill ~900 bytes per thread; now 254-255 registers, no
+    spill.  Run 29: atomic `ref` 12.44 -> 10.89 ms, deterministic 15.79 -> 14.33.
+    """
+    assert heads_per_cta == 64 and block_k == 32 and d_v % 256 == 0
+    exact = mode == "exact"
+    M = heads_per_cta
+    D = d_v
+    DH = d_v // 2
+    D_tail = d_qk - d_v
+    BK = block_k
+    CW = dkv_chunk
+    # the rope tail is one more chunk in the same accumulator and staging rows (registers:
+    # warpgroup 1 holds dQ's right half and tail, 160 floats per thread, next to it)
+    assert DH % CW == 0 and D_tail == CW
+    STAGE_PAD = 4
+    WG = 128
+    dtype = "bfloat16"
+    acc_t = "float32"
+    U_CLAMP = float(2**40)
+    EXP_CLAMP = float(2**100)
+    U_FLOOR = float(2**-120)
+    Q_CHUNKS = M * d_qk // 8
+    DO_CHUNKS = M * D // 8
+    assert Q_CHUNKS % (2 * WG) == 0 and DO_CHUNKS % (2 * WG) == 0
+
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    S_kv = T.dynamic("S_kv")
+    L = T.dynamic("L")
+    H_pad = T.dynamic("H_pad")
+
+    @T.macro
+    def gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, k, t):
+        # block k of the row's slots (a -1 slot copies row 0: its score is masked)
+        for r in T.serial(BK // 16):
+            j = r * 16 + t // 8
+            row = T.max(Indices[b_i, s_i, k * BK + j], 0)
+            for u in T.serial(DH // 64):
+                T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
+                T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
+            for u in T.serial(-(-D_tail // 64)):
+                if (t % 8) * 8 + 64 * u < D_tail:
+                    T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, row, D + 64 * u + (t % 8) * 8], "r", 8),
+                                   8)
+        if exact:
+            if t < BK:
+                T.ptx_cp_async(T.access_ptr(inv[t], "w", 1),
+                               T.access_ptr(InvGrid[b_i, T.max(Indices[b_i, s_i, k * BK + t], 0)],
+                                            "r", 1), 1)
+        T.cp_async_barrier_noinc(kv_full[0])
+
+    @T.macro
+    def scores(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, acc_p, acc_dp, acc_dq_l,
+               kv_full, kv_free, pds_full, pds_free, Indices, lse_f, delta_f, sc, b_i, s_i,
+               h0, k):
+        # one key block per iteration, the P/dS buffer and its barriers chosen at run time (two
+        # unrolled copies of this body, one per buffer, made ptxas spill ~900 bytes)
+        bsel = k % 2
+        T.barrier_wait(kv_full[0], k & 1)
+        T.fence_proxy_async()  # cp.async wrote through the generic proxy, wgmma reads async
+        for h, j in T.Parallel(M, BK):
+            acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                         -T.infinity(acc_t))
+        T.wgmma_gemm(Q_l, K_l, acc_p, transpose_B=True)
+        T.wgmma_gemm(Q_r, K_r, acc_p, transpose_B=True)
+        T.gemm(Q_t, K_t, acc_p, transpose_B=True)
+        for h, j in T.Parallel(M, BK):
+            acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - lse_f[h])
+        T.wgmma_gemm(dO_l, K_l, acc_dp, transpose_B=True, clear_accum=True)
+        T.gemm(dO_r, K_r, acc_dp, transpose_B=True)
+        for h, j in T.Parallel(M, BK):
+            acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_f[h]) * sc[1]
+        # warpgroup 1 must be done with this buffer's previous block (two blocks ago)
+        T.barrier_wait(pds_free[bsel], ((k // 2) & 1) ^ 1)
+        T.copy(acc_p, P_all[bsel:bsel + 1, :, :])
+        T.copy(acc_dp, dS_all[bsel:bsel + 1, :, :])
+        T.fence_proxy_async()  # read by warpgroup 1's wgmma
+        T.barrier_arrive(pds_full[bsel])
+        T.gemm(dS_all[bsel:bsel + 1, :, :], K_l, acc_dq_l)
+        T.barrier_arrive(kv_free[0])
+
+    @T.macro
+    def stage_scatter(acc, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k, col, width):
+        for d, j in T.Parallel(width, BK):
+            stage[j, d] = acc[d, j]
+        for j, d4 in T.Parallel(BK, CW // 4):
+            if d4 < width // 4:
+                if exact:
+                    for t in T.serial(4):
+                        r4[t] = stage[j, d4 * 4 + t] * inv[j]
+                    u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
+                        T.max(T.abs(r4[0]), T.abs(r4[1])), T.max(T.abs(r4[2]), T.abs(r4[3]))))
+                    for t in T.serial(4):
+                        r4[t] = T.round(r4[t])
+                    if Indices[b_i, s_i, k * BK + j] >= 0:
+                        T.atomic_addx4(dKV_acc[b_i, Indices[b_i, s_i, k * BK + j],
+                                               col + d4 * 4], r4[0])
+                elif Indices[b_i, s_i, k * BK + j] >= 0:
+                    T.atomic_addx4(dKV_acc[b_i, Indices[b_i, s_i, k * BK + j], col + d4 * 4],
+                                   stage[j, d4 * 4])
+
+    @T.macro
+    def dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, bsel, inv, inv_next,
+                  acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag, u_stage, r4, kv_full,
+                  kv_free, pds_full, pds_free, KV, Indices, InvGrid, dKV_acc, Bound, BoundExp,
+                  b_i, s_i, k, kv_parity, buf_parity, NB, t):
+        T.barrier_wait(pds_full[bsel], buf_parity)
+        T.fence_proxy_async()  # the keys (cp.async), as in scores
+        T.gemm(dS_all[bsel:bsel + 1, :, :], K_r, acc_dq_r)
+        T.gemm(dS_all[bsel:bsel + 1, :, :], K_t, acc_dq_t)
+        T.barrier_arrive(kv_free[0])
+        # both warpgroups done with block k's keys: gather block k + 1 under this block's dKV
+        T.barrier_wait(kv_free[0], kv_parity)
+        if k + 1 < NB:
+            gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv_next, kv_full, b_i, s_i, k + 1, t)
+        if exact:
+            T.fill(u_cols, 0)
+        for c in T.serial(DH // CW):
+            T.wgmma_gemm(Q_l[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True,
+                         clear_accum=True)
+            T.gemm(dO_l[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True)
+            stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
+                          c * CW, CW)
+        for c in T.serial(DH // CW):
+            T.wgmma_gemm(Q_r[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True,
+                         clear_accum=True)
+            T.gemm(dO_r[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True)
+            stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
+                          DH + c * CW, CW)
+        T.gemm(Q_t, dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True, clear_accum=True)
+        stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k, D,
+                      D_tail)
+        T.barrier_arrive(pds_free[bsel])
+        if exact:
+            T.reduce_max(u_cols, u_frag, dim=1)
+            T.copy(u_frag, u_stage)
+            for j in T.Parallel(BK):
+                idx = Indices[b_i, s_i, k * BK + j]
+                if idx >= 0:
+                    T.atomic_add(Bound[b_i, idx],
+                                 T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
+                    T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
+                        T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
+
+    @T.prim_func
+    def sparse_bwd_ws(
+        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
+        KV: T.Tensor([B, S_kv, d_qk], dtype),
+        dO: T.Tensor([B, S, H_pad, D], dtype),
+        Indices: T.Tensor([B, S, L], "int32"),
+        Lse2: T.Tensor([B, S, H_pad], acc_t),
+        Delta: T.Tensor([B, S, H_pad], acc_t),
+        Scale: T.Tensor([1], acc_t),
+        InvGrid: T.Tensor([B, S_kv], acc_t),
+        Counts: T.Tensor([B, S], "int32"),
+        dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
+        dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
+        Bound: T.Tensor([B, S_kv], "int64"),
+        BoundExp: T.Tensor([B, S_kv], "int32"),
+    ):
+        with T.Kernel(S, B, H_pad // M, threads=2 * WG) as (s_i, b_i, g_i):
+            Q_l = T.alloc_shared([M, DH], dtype)
+            Q_r = T.alloc_shared([M, DH], dtype)
+            Q_t = T.alloc_shared([M, D_tail], dtype)
+            dO_l = T.alloc_shared([M, DH], dtype)
+            dO_r = T.alloc_shared([M, DH], dtype)
+            K_l = T.alloc_shared([BK, DH], dtype)
+            K_r = T.alloc_shared([BK, DH], dtype)
+            K_t = T.alloc_shared([BK, D_tail], dtype)
+            P_all = T.alloc_shared([2, M, BK], dtype)
+            dS_all = T.alloc_shared([2, M, BK], dtype)
+            inv0 = T.alloc_shared([BK], acc_t)
+            inv1 = T.alloc_shared([BK], acc_t)
+            stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
+            u_stage = T.alloc_shared([BK], acc_t)
+
+            q_ready = T.alloc_barrier(arrive_count=2 * WG)
+            kv_full = T.alloc_barrier(arrive_count=WG)
+            kv_free = T.alloc_barrier(arrive_count=2 * WG)
+            pds_full = T.alloc_barrier(arrive_count=[WG, WG])
+            pds_free = T.alloc_barrier(arrive_count=[WG, WG])
+
+            acc_p = T.alloc_fragment([M, BK], acc_t)
+            acc_dp = T.alloc_fragment([M, BK], acc_t)
+            acc_dq_l = T.alloc_fragment([M, DH], acc_t)
+            acc_dq_t = T.alloc_fragment([M, D_tail], acc_t)
+            acc_dq_r = T.alloc_fragment([M, DH], acc_t)
+            acc_dkv = T.alloc_fragment([CW, BK], acc_t)
+            u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
+            u_frag = T.alloc_fragment([BK], acc_t)
+            lse_f = T.alloc_fragment([M], acc_t)
+            delta_f = T.alloc_fragment([M], acc_t)
+            sc = T.alloc_local([2], acc_t)
+            r4 = T.alloc_local([4], acc_t)
+
+            tx = T.get_thread_binding()
+            h0 = g_i * M
+            NB = L // BK
+            for r in T.serial(Q_CHUNKS // (2 * WG)):
+                c = r * (2 * WG) + tx
+                h = c // (d_qk // 8)
+                col = (c % (d_qk // 8)) * 8
+                if col < DH:
+                    T.ptx_cp_async(T.access_ptr(Q_l[h, col], "w", 8),
+                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+                elif col < D:
+                    T.ptx_cp_async(T.access_ptr(Q_r[h, col - DH], "w", 8),
+                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+                else:
+                    T.ptx_cp_async(T.access_ptr(Q_t[h, col - D], "w", 8),
+                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+            for r in T.serial(DO_CHUNKS // (2 * WG)):
+                c = r * (2 * WG) + tx
+                h = c // (D // 8)
+                col = (c % (D // 8)) * 8
+                if col < DH:
+                    T.ptx_cp_async(T.access_ptr(dO_l[h, col], "w", 8),
+                                   T.access_ptr(dO[b_i, s_i, h0 + h, col], "r", 8), 8)
+                else:
+                    T.ptx_cp_async(T.access_ptr(dO_r[h, col - DH], "w", 8),
+                                   T.access_ptr(dO[b_i, s_i, h0 + h, col], "r", 8), 8)
+            T.cp_async_barrier_noinc(q_ready[0])
+            T.barrier_wait(q_ready[0], 0)
+            T.fence_proxy_async()
+
+            if tx < WG:
+                sc[0] = Scale[0] * LOG2E
+                sc[1] = Scale[0]
+                # the row's LSE and Delta in registers once (per-block loads kept ~64 registers
+                # of hoisted addresses live: ptxas spilled)
+                for h in T.Parallel(M):
+                    lse_f[h] = Lse2[b_i, s_i, h0 + h]
+                    delta_f[h] = Delta[b_i, s_i, h0 + h]
+                T.fill(acc_dq_l, 0)
+                for k in T.serial(NB):
+                    scores(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, acc_p, acc_dp,
+                           acc_dq_l, kv_full, kv_free, pds_full, pds_free, Indices, lse_f,
+                           delta_f, sc, b_i, s_i, h0, k)
+                T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
+            else:
+                T.fill(acc_dq_r, 0)
+                T.fill(acc_dq_t, 0)
+                if NB > 0:
+                    gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv0, kv_full, b_i, s_i, 0,
+                           tx - WG)
+                for p in T.serial(T.ceildiv(NB, 2)):
+                    dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, 0, inv0,
+                              inv1, acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag, u_stage,
+                              r4, kv_full, kv_free, pds_full, pds_free, KV, Indices, InvGrid,
+                              dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p, 0, p & 1, NB, tx - WG)
+                    if 2 * p + 1 < NB:
+                        dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, 1,
+                                  inv1, inv0, acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag,
+                                  u_stage, r4, kv_full, kv_free, pds_full, pds_free, KV, Indices,
+                                  InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p + 1, 1,
+                                  p & 1, NB, tx - WG)
+                T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
+                T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+
+    return sparse_bwd_ws
