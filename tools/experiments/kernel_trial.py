@@ -7,11 +7,12 @@ printed lines go into docs/performance.md.
 
     source tools/gpu_env.sh
     python3 tools/experiments/kernel_trial.py --fwd "plain=64,256,1,False" \
-        --bwd "rowmajor=256,1,128,False" --shapes ref,fleet --reps 10
+        --bwd "rowmajor=256,1,128,False,False" --shapes ref,fleet --reps 10
 
 ``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)``;
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
-(ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed).  Above, the plain
+(ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized;
+``...,False`` gives the one-role kernel for 64-head tiles).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute.
 """

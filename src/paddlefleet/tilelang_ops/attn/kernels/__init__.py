@@ -4,6 +4,8 @@
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise).
+* ``async_copy``: the 16-byte ``cp.async`` macros (query tile, key-block gather) that both
+  warp-specialised kernels share.
 
 :func:`build` maps a kernel name and its static arguments to the compiled kernel and
 :func:`specs` lists every specialisation the host wrappers can ask for: the provider in

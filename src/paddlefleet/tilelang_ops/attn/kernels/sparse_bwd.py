@@ -18,12 +18,17 @@ Run in this order by ``attn/interface.py``:
                    also sums a bound that proves it (``interface._exact_dkv``).
                  * atomic (``mode="atomic"``): plain fp32 (order-dependent rounding).
 
+With 64-head tiles the first pass (with dQ) is :func:`_warp_specialized`: one warpgroup computes
+P and dS and hands them to the other, which scatters the block's dKV while the first goes on to
+the next block.
+
 Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
 ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
 value in the one-element tensor ``Scale``.  All kernels compile with ``settings.PASS_CONFIGS``.
 """
 
 from ... import settings
+from .async_copy import gather_key_block, load_head_tile
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -31,6 +36,28 @@ from tilelang import language as T  # noqa: E402
 __all__ = ["preprocess", "main"]
 
 LOG2E = 1.4426950408889634
+# exact mode: u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum
+# exactly in int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
+U_CLAMP = float(2**40)
+EXP_CLAMP = float(2**100)
+U_FLOOR = float(2**-120)
+
+
+@T.macro
+def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, k):
+    """The exact mode's proof for key block ``k``: ``u_cols [BK, CW/4]`` holds each slot's
+    running max ``|c / g|`` per 4-column group; per slot with a key, one int64 add of
+    ``ceil(u) >= max |k|`` (an exact sum) and the exponent of the largest ``u`` (``>= 2^-120``,
+    which bounds ``u`` when a clamp makes the sum short and sizes a grid that was too coarse)."""
+    BK = u_frag.shape[0]
+    T.reduce_max(u_cols, u_frag, dim=1)
+    T.copy(u_frag, u_stage)
+    for j in T.Parallel(BK):
+        idx = Indices[b_i, s_i, k * BK + j]
+        if idx >= 0:
+            T.atomic_add(Bound[b_i, idx], T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
+            T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
+                T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
@@ -115,7 +142,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     ``BK = 32`` (too few rows for wgmma), so it runs on wgmma from shared memory instead of
     ``mma_sync``, whose 8 warps each re-read dS^T / P^T through ldmatrix (the kernel is bound by
     shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
-    forms are wgmma.)
+    forms are wgmma.)  ``warp_specialized`` (default: 64-head tiles) builds the 64-head first pass
+    as :func:`_warp_specialized` instead (two warpgroups with different roles; run 29: -12 to
+    -15% atomic, -9 to -12% deterministic); the other knobs then do not apply.
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -139,11 +168,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     STAGE_PAD = 4 if dkv_transposed else 8
     dtype = "bfloat16"
     acc_t = "float32"
-    # u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum exactly in
-    # int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
-    U_CLAMP = float(2**40)
-    EXP_CLAMP = float(2**100)
-    U_FLOOR = float(2**-120)
     assert D % CW == 0 and CW >= D_tail
 
     def dkv_shape(width):
@@ -312,19 +336,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                         scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
                                  Indices[b_i, s_i, k_i * BK + j], D, j, d4)
                 if exact:
-                    T.reduce_max(u_cols, u_frag, dim=1)
-                    T.copy(u_frag, u_stage)
-                    for j in T.Parallel(BK):
-                        idx = Indices[b_i, s_i, k_i * BK + j]
-                        if idx >= 0:
-                            # one int64 add per (row, head group, slot) of ceil(u) >= max |k|:
-                            # an exact sum; and the exponent of the largest u (>= 2^-120), which
-                            # bounds u when a clamp makes the sum short and sizes a grid that
-                            # was too coarse
-                            T.atomic_add(Bound[b_i, idx],
-                                         T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
-                            T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
-                                T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
+                    add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i,
+                                   k_i)
 
             if with_dq:
                 T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
@@ -373,9 +386,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
     WG = 128
     dtype = "bfloat16"
     acc_t = "float32"
-    U_CLAMP = float(2**40)
-    EXP_CLAMP = float(2**100)
-    U_FLOOR = float(2**-120)
     Q_CHUNKS = M * d_qk // 8
     DO_CHUNKS = M * D // 8
     assert Q_CHUNKS % (2 * WG) == 0 and DO_CHUNKS % (2 * WG) == 0
@@ -388,20 +398,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
 
     @T.macro
     def gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, k, t):
-        # block k of the row's slots (a -1 slot copies row 0: its score is masked)
-        for r in T.serial(BK // 16):
-            j = r * 16 + t // 8
-            row = T.max(Indices[b_i, s_i, k * BK + j], 0)
-            for u in T.serial(DH // 64):
-                T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
-                T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
-            for u in T.serial(-(-D_tail // 64)):
-                if (t % 8) * 8 + 64 * u < D_tail:
-                    T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, row, D + 64 * u + (t % 8) * 8], "r", 8),
-                                   8)
+        # block k of the row's slots, and in the exact mode the keys' grids
+        gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t)
         if exact:
             if t < BK:
                 T.ptx_cp_async(T.access_ptr(inv[t], "w", 1),
@@ -492,15 +490,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
                       D_tail)
         T.barrier_arrive(pds_free[bsel])
         if exact:
-            T.reduce_max(u_cols, u_frag, dim=1)
-            T.copy(u_frag, u_stage)
-            for j in T.Parallel(BK):
-                idx = Indices[b_i, s_i, k * BK + j]
-                if idx >= 0:
-                    T.atomic_add(Bound[b_i, idx],
-                                 T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
-                    T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
-                        T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
+            add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
 
     @T.prim_func
     def sparse_bwd_ws(
@@ -556,29 +546,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
             tx = T.get_thread_binding()
             h0 = g_i * M
             NB = L // BK
-            for r in T.serial(Q_CHUNKS // (2 * WG)):
-                c = r * (2 * WG) + tx
-                h = c // (d_qk // 8)
-                col = (c % (d_qk // 8)) * 8
-                if col < DH:
-                    T.ptx_cp_async(T.access_ptr(Q_l[h, col], "w", 8),
-                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
-                elif col < D:
-                    T.ptx_cp_async(T.access_ptr(Q_r[h, col - DH], "w", 8),
-                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
-                else:
-                    T.ptx_cp_async(T.access_ptr(Q_t[h, col - D], "w", 8),
-                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
-            for r in T.serial(DO_CHUNKS // (2 * WG)):
-                c = r * (2 * WG) + tx
-                h = c // (D // 8)
-                col = (c % (D // 8)) * 8
-                if col < DH:
-                    T.ptx_cp_async(T.access_ptr(dO_l[h, col], "w", 8),
-                                   T.access_ptr(dO[b_i, s_i, h0 + h, col], "r", 8), 8)
-                else:
-                    T.ptx_cp_async(T.access_ptr(dO_r[h, col - DH], "w", 8),
-                                   T.access_ptr(dO[b_i, s_i, h0 + h, col], "r", 8), 8)
+            load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
+            load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()

@@ -19,6 +19,7 @@ from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PA
 
 
 from ... import settings
+from .async_copy import gather_key_block, load_head_tile
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -268,19 +269,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     def gather(KV, Indices, K_l, K_r, K_tail, kv_ready, kv_free, b_i, s_i, k, parity, t):
         # both consumers must have freed this buffer (its previous use, two blocks ago)
         T.barrier_wait(kv_free[0], parity ^ 1)
-        for r in T.serial(BK // 16):
-            j = r * 16 + t // 8
-            row = T.max(Indices[b_i, s_i, k * BK + j], 0)  # clamped: -1 copies row 0
-            for u in T.serial(DH // 64):
-                T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
-                T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
-            for u in T.serial(-(-D_tail // 64)):
-                if (t % 8) * 8 + 64 * u < D_tail:
-                    T.ptx_cp_async(T.access_ptr(K_tail[j, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, row, D + 64 * u + (t % 8) * 8], "r", 8),
-                                   8)
+        gather_key_block(KV, Indices, K_l, K_r, K_tail, b_i, s_i, k, t)
         T.cp_async_barrier_noinc(kv_ready[0])
 
     @T.prim_func
@@ -335,19 +324,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
             NB = L // BK
             # 16-byte cp.async, all in flight at once: a T.copy by 384 threads (which do not
             # divide the tile) lowered to 97 two-byte loads per thread, ~65 us per CTA (run 24)
-            for r in T.serial(Q_CHUNKS // (3 * WG)):
-                c = r * (3 * WG) + tx
-                h = c // (d_qk // 8)
-                col = (c % (d_qk // 8)) * 8
-                if col < DH:
-                    T.ptx_cp_async(T.access_ptr(Q_l[h, col], "w", 8),
-                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
-                elif col < D:
-                    T.ptx_cp_async(T.access_ptr(Q_r[h, col - DH], "w", 8),
-                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
-                else:
-                    T.ptx_cp_async(T.access_ptr(Q_tail[h, col - D], "w", 8),
-                                   T.access_ptr(Q[b_i, s_i, h0 + h, col], "r", 8), 8)
+            load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
             T.barrier_wait(q_ready[0], 0)
             # written through the generic proxy, read by wgmma (the async proxy)

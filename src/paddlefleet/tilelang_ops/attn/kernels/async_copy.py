@@ -1,0 +1,69 @@
+"""Asynchronous copies shared by the warp-specialised kernels (``sparse_fwd._warp_specialized``,
+``sparse_bwd._warp_specialized``): 16-byte ``cp.async`` from global into shared memory, issued by
+the calling threads; the caller commits them to an mbarrier (``T.cp_async_barrier_noinc``).
+
+Why by hand: a ``T.copy`` by a thread count that does not divide the tile lowered to two-byte
+loads (~65 us per CTA in the forward, run 24 of docs/performance.md), and the gather's rows come
+through the top-k indices.
+"""
+
+from ... import settings
+
+tilelang = settings.import_tilelang()
+from tilelang import language as T  # noqa: E402
+
+__all__ = ["load_head_tile", "gather_key_block"]
+
+
+@T.macro
+def load_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, tx, nthreads):
+    """``src[b_i, s_i, h0:h0 + M, :]`` (``[M, width]`` bf16) into shared memory by ``nthreads``
+    threads (``tx`` in ``[0, nthreads)``): columns ``[0, DH)`` into ``dst_l``, ``[DH, 2 DH)`` into
+    ``dst_r`` and the rest (a rope tail) into ``dst_t`` (``None`` when ``width = 2 DH``)."""
+    M, DH = dst_l.shape
+    width = src.shape[-1]
+    chunks = M * width // 8  # 16-byte pieces
+    for r in T.serial(chunks // nthreads):
+        c = r * nthreads + tx
+        h = c // (width // 8)
+        col = (c % (width // 8)) * 8
+        if dst_t is None:
+            if col < DH:
+                T.ptx_cp_async(T.access_ptr(dst_l[h, col], "w", 8),
+                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+            else:
+                T.ptx_cp_async(T.access_ptr(dst_r[h, col - DH], "w", 8),
+                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+        else:
+            if col < DH:
+                T.ptx_cp_async(T.access_ptr(dst_l[h, col], "w", 8),
+                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+            elif col < 2 * DH:
+                T.ptx_cp_async(T.access_ptr(dst_r[h, col - DH], "w", 8),
+                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+            else:
+                T.ptx_cp_async(T.access_ptr(dst_t[h, col - 2 * DH], "w", 8),
+                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+
+
+@T.macro
+def gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t):
+    """Key block ``k`` (``BK`` slots of row ``s_i``) of the latent rows into ``K_l`` / ``K_r``
+    (the two halves of the first ``2 DH`` columns) and ``K_t`` (the rope tail), by 128 threads
+    (``t`` in ``[0, 128)``, 8 per row).  A ``-1`` slot copies row 0 (a clamped address, never
+    the index itself); the kernels mask its score to ``-inf``."""
+    BK, DH = K_l.shape
+    D_tail = K_t.shape[1]
+    for r in T.serial(BK // 16):
+        j = r * 16 + t // 8
+        row = T.max(Indices[b_i, s_i, k * BK + j], 0)
+        for u in T.serial(DH // 64):
+            T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
+                           T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
+            T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
+                           T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
+        for u in T.serial(-(-D_tail // 64)):
+            if (t % 8) * 8 + 64 * u < D_tail:
+                T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, 2 * DH + 64 * u + (t % 8) * 8], "r",
+                                            8), 8)
