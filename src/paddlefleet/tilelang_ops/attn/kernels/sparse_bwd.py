@@ -463,7 +463,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
                   kv_free, pds_full, pds_free, KV, Indices, InvGrid, dKV_acc, Bound, BoundExp,
                   b_i, s_i, k, kv_parity, buf_parity, NB, t):
         T.barrier_wait(pds_full[bsel], buf_parity)
-        T.fence_proxy_async()  # the keys (cp.async), as in scores
+        # the keys (cp.async), as in scores; P/dS were fenced by their writer
+        T.fence_proxy_async()
         T.gemm(dS_all[bsel:bsel + 1, :, :], K_r, acc_dq_r)
         T.gemm(dS_all[bsel:bsel + 1, :, :], K_t, acc_dq_t)
         T.barrier_arrive(kv_free[0])
