@@ -137,8 +137,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     Schedule knobs (static; defaults measured on H200 at B=1 S=4096 S_kv=8192 H=64 topk=2048,
     docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async) right
     after the last GEMM that reads the current one; dQ's two GEMMs run right after dS, so that
-    the gather overlaps the dKV GEMMs and the scatter.  ``dkv_transposed=True`` computes each dKV chunk transposed, ``[CW, BK] =
-    Q_c^T dS + dO_c^T P`` (the tail ``[Dk - Dv, BK]``): the GEMM's M is then ``CW`` instead of
+    the gather overlaps the dKV GEMMs and the scatter.  ``dkv_transposed=True`` computes each
+    dKV chunk transposed, ``[CW, BK] = Q_c^T dS + dO_c^T P`` (the tail ``[Dk - Dv, BK]``): the
+    GEMM's M is then ``CW`` instead of
     ``BK = 32`` (too few rows for wgmma), so it runs on wgmma from shared memory instead of
     ``mma_sync``, whose 8 warps each re-read dS^T / P^T through ldmatrix (the kernel is bound by
     shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
@@ -194,9 +195,10 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     @T.macro
     def scatter4(u_cols, r4, stage, inv_grid, dkv_acc, b_i, idx, col, j, d4):
         # one float4 of staged row j.  Exact mode: in grid units (c / g_j: exact, g_j a power
-        # of two), the running max |c / g| taken before the rounding (so a grid too coarse still shows the size), then the rounding, into
-        # registers: rounded in place, the atomic's read of the staging row needed two CTA
-        # barriers per row (TileLang cannot see that each thread reads only what it wrote)
+        # of two), the running max |c / g| taken before the rounding (so a grid too coarse
+        # still shows the size), then the rounding, into registers: rounded in place, the
+        # atomic's read of the staging row needed two CTA barriers per row (TileLang cannot
+        # see that each thread reads only what it wrote)
         if exact:
             for t in T.serial(4):
                 r4[t] = stage[j, d4 * 4 + t] * inv_grid[j]
@@ -475,15 +477,17 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
         if exact:
             T.fill(u_cols, 0)
         for c in T.serial(DH // CW):
-            T.wgmma_gemm(Q_l[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True,
-                         clear_accum=True)
-            T.gemm(dO_l[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True)
+            T.wgmma_gemm(Q_l[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv,
+                         transpose_A=True, clear_accum=True)
+            T.gemm(dO_l[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv,
+                   transpose_A=True)
             stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
                           c * CW, CW)
         for c in T.serial(DH // CW):
-            T.wgmma_gemm(Q_r[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True,
-                         clear_accum=True)
-            T.gemm(dO_r[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True)
+            T.wgmma_gemm(Q_r[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv,
+                         transpose_A=True, clear_accum=True)
+            T.gemm(dO_r[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv,
+                   transpose_A=True)
             stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
                           DH + c * CW, CW)
         T.gemm(Q_t, dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True, clear_accum=True)
