@@ -463,7 +463,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
     def dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, bsel, inv, inv_next,
                   acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag, u_stage, r4, kv_full,
                   kv_free, pds_full, pds_free, KV, Indices, InvGrid, dKV_acc, Bound, BoundExp,
-                  b_i, s_i, k, kv_parity, buf_parity, NB, t):
+                  b_i, s_i, k, buf_parity, NB, t):
         T.barrier_wait(pds_full[bsel], buf_parity)
         # the keys (cp.async), as in scores; P/dS were fenced by their writer
         T.fence_proxy_async()
@@ -471,7 +471,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
         T.gemm(dS_all[bsel:bsel + 1, :, :], K_t, acc_dq_t)
         T.barrier_arrive(kv_free[0])
         # both warpgroups done with block k's keys: gather block k + 1 under this block's dKV
-        T.barrier_wait(kv_free[0], kv_parity)
+        T.barrier_wait(kv_free[0], bsel)  # bsel = k & 1: kv_free completes once per block
         if k + 1 < NB:
             gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv_next, kv_full, b_i, s_i, k + 1, t)
         if exact:
@@ -581,13 +581,13 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
                     dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, 0, inv0,
                               inv1, acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag, u_stage,
                               r4, kv_full, kv_free, pds_full, pds_free, KV, Indices, InvGrid,
-                              dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p, 0, p & 1, NB, tx - WG)
+                              dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p, p & 1, NB, tx - WG)
                     if 2 * p + 1 < NB:
                         dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, 1,
                                   inv1, inv0, acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag,
                                   u_stage, r4, kv_full, kv_free, pds_full, pds_free, KV, Indices,
-                                  InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p + 1, 1,
-                                  p & 1, NB, tx - WG)
+                                  InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p + 1, p & 1,
+                                  NB, tx - WG)
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
                 T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
 
