@@ -136,6 +136,20 @@ def test_compiled_kernel_has_the_merge_off():
         assert not [n for n, o in lay.items() if n != buf and b0 <= o < b1], buf
 
 
+@pytest.mark.parametrize("mode", ["exact", "atomic"])
+def test_warp_specialized_stages_every_dkv_chunk(mode):
+    """Each dKV scatter of the 64-head kernel reads rows its warpgroup staged from its own
+    accumulator.  Both warpgroups once shared one accumulator fragment: its layout bound it to
+    warpgroup 0's threads and TileLang silently dropped warpgroup 1's staging loops, whose
+    scatters then added stale rows (wrong dKV, no error)."""
+    src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
+    staged = re.findall(r"\] = (acc_dkv\w*)\[", src)
+    scatters = src.count("AtomicAddx4(")
+    # warpgroup 0: one chunk loop; warpgroup 1 (two unrolled blocks): a chunk loop and the tail
+    assert len(staged) == scatters == 5, (staged, scatters)
+    assert len(set(staged)) == 2, "each warpgroup needs its own dKV accumulator fragment"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("name, args", SPECS[:3], ids=["fwd64", "main64_exact", "main64_rerun"])
 def test_lowered_source_compiles_to_cubin(name, args, tmp_path):

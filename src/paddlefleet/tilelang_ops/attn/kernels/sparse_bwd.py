@@ -44,20 +44,26 @@ U_FLOOR = float(2**-120)
 
 
 @T.macro
-def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, k):
-    """The exact mode's proof for key block ``k``: ``u_cols [BK, CW/4]`` holds each slot's
-    running max ``|c / g|`` per 4-column group; per slot with a key, one int64 add of
-    ``ceil(u) >= max |k|`` (an exact sum) and the exponent of the largest ``u`` (``>= 2^-120``,
-    which bounds ``u`` when a clamp makes the sum short and sizes a grid that was too coarse)."""
-    BK = u_frag.shape[0]
-    T.reduce_max(u_cols, u_frag, dim=1)
-    T.copy(u_frag, u_stage)
+def add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k):
+    """The atomics of :func:`add_key_bounds`, from each slot's ``u`` in ``u_stage [BK]``."""
+    BK = u_stage.shape[0]
     for j in T.Parallel(BK):
         idx = Indices[b_i, s_i, k * BK + j]
         if idx >= 0:
             T.atomic_add(Bound[b_i, idx], T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
             T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
                 T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
+
+
+@T.macro
+def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, k):
+    """The exact mode's proof for key block ``k``: ``u_cols [BK, CW/4]`` holds each slot's
+    running max ``|c / g|`` per 4-column group; per slot with a key, one int64 add of
+    ``ceil(u) >= max |k|`` (an exact sum) and the exponent of the largest ``u`` (``>= 2^-120``,
+    which bounds ``u`` when a clamp makes the sum short and sizes a grid that was too coarse)."""
+    T.reduce_max(u_cols, u_frag, dim=1)
+    T.copy(u_frag, u_stage)
+    add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
@@ -359,19 +365,29 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
     * warpgroup 0: waits for key block ``i``, computes ``S``, ``P``, ``dP``, ``dS`` on its own
       (``M = 64`` heads, ``N = BK`` keys: the query and dO tiles are read from shared memory once
       per block, where two warpgroups splitting ``N`` read them twice), hands ``P`` / ``dS``
-      over in buffer ``i % 2`` and adds dQ's left half (256 latent columns);
-    * warpgroup 1: dQ's right half and rope tail; then, once both are done with the keys, the
-      gather of block ``i + 1`` (16-byte ``cp.async``, and the keys' grids in the exact mode);
-      then block ``i``'s dKV in 64-column chunks (the tail is a ninth chunk), staged and
-      scattered with vector atomics (the exact mode's scaling, rounding and bound as in
-      :func:`main`), while warpgroup 0 already computes block ``i + 1``: the scatter overlaps the
-      other warpgroup's GEMMs.
+      over in buffer ``i % 2``, adds dQ's left half (256 latent columns) and rope tail, then
+      computes, stages and scatters the dKV chunks of the left half;
+    * warpgroup 1: dQ's right half; then, once both are done with the keys, the gather of block
+      ``i + 1`` (16-byte ``cp.async``, and the keys' grids in the exact mode); then block ``i``'s
+      dKV chunks of the right half and the rope tail (a fifth chunk), staged and scattered.
+
+    Every dKV chunk is 64 columns, ``[CW, BK] = Q_c^T dS + dO_c^T P`` on wgmma, staged through
+    the warpgroup's own fp32 rows and scattered with vector atomics (the exact mode's scaling,
+    rounding and bound as in :func:`main`; warpgroup 0 hands its slots' maxima to warpgroup 1,
+    which adds each key's bound once).  Each warpgroup's scatter overlaps the other one's GEMMs.
 
     mbarriers: ``kv_full`` (the gather landed), ``kv_free`` (both done with the keys),
-    ``pds_full[b]`` / ``pds_free[b]`` (the P/dS buffer ``b`` handed over and back).  Warpgroup 0
-    walks the blocks in one loop with the buffer chosen at run time: two unrolled copies of its
-    body (one per buffer) made ptxas spill ~900 bytes per thread; now 254-255 registers, no
-    spill.  Run 29: atomic `ref` 12.44 -> 10.89 ms, deterministic 15.79 -> 14.33.
+    ``pds_full[b]`` / ``pds_free[b]`` (the P/dS buffer ``b`` handed over and back), ``u_ready[b]``
+    (exact mode: warpgroup 0's slot maxima for the block in buffer ``b``).  Warpgroup 0 walks the
+    blocks in one loop with the buffer chosen at run time (two unrolled copies of its body made
+    ptxas spill ~900 bytes per thread).  A fragment's layout binds it to the threads of the
+    warpgroup that first uses it, so each warpgroup has its own dKV accumulator: one shared
+    fragment made TileLang drop the other warpgroup's staging loop (trial 3, this session).
+
+    Balance (session 5, docs/performance.md): with warpgroup 1 doing all nine chunks, warpgroup 0
+    waited for the gather 61% of its time (Nsight Compute); the left half on warpgroup 0 took
+    atomic `ref` 10.90 -> 9.74 ms, deterministic 14.60 -> 12.47; three or five chunks on warpgroup
+    0 were slower.
     """
     assert heads_per_cta == 64 and block_k == 32 and d_v % 256 == 0
     exact = mode == "exact"
@@ -381,8 +397,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
     D_tail = d_qk - d_v
     BK = block_k
     CW = dkv_chunk
-    # the rope tail is one more chunk in the same accumulator and staging rows (registers:
-    # warpgroup 1 holds dQ's right half and tail, 160 floats per thread, next to it)
+    # the rope tail is one more chunk of warpgroup 1, in the same accumulator and staging rows
     assert DH % CW == 0 and D_tail == CW
     STAGE_PAD = 4
     WG = 128
@@ -400,19 +415,19 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
 
     @T.macro
     def gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, k, t):
-        # block k of the row's slots, and in the exact mode the keys' grids
+        # block k of the row's slots, and in the exact mode the keys' grids (into inv[k % 2])
         gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t)
         if exact:
             if t < BK:
-                T.ptx_cp_async(T.access_ptr(inv[t], "w", 1),
+                T.ptx_cp_async(T.access_ptr(inv[k % 2, t], "w", 1),
                                T.access_ptr(InvGrid[b_i, T.max(Indices[b_i, s_i, k * BK + t], 0)],
                                             "r", 1), 1)
         T.cp_async_barrier_noinc(kv_full[0])
 
     @T.macro
     def scores(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, acc_p, acc_dp, acc_dq_l,
-               kv_full, kv_free, pds_full, pds_free, Indices, lse_f, delta_f, sc, b_i, s_i,
-               h0, k):
+               acc_dq_t, kv_full, kv_free, pds_full, pds_free, Indices, lse_f, delta_f, sc, b_i,
+               s_i, k):
         # one key block per iteration, the P/dS buffer and its barriers chosen at run time (two
         # unrolled copies of this body, one per buffer, made ptxas spill ~900 bytes)
         bsel = k % 2
@@ -434,20 +449,25 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
         T.barrier_wait(pds_free[bsel], ((k // 2) & 1) ^ 1)
         T.copy(acc_p, P_all[bsel:bsel + 1, :, :])
         T.copy(acc_dp, dS_all[bsel:bsel + 1, :, :])
-        T.fence_proxy_async()  # read by warpgroup 1's wgmma
+        T.fence_proxy_async()  # read by wgmma (both warpgroups)
         T.barrier_arrive(pds_full[bsel])
-        T.gemm(dS_all[bsel:bsel + 1, :, :], K_l, acc_dq_l)
+        # dQ's left half and rope tail, one wait for both
+        T.wgmma_gemm(dS_all[bsel:bsel + 1, :, :], K_l, acc_dq_l)
+        T.gemm(dS_all[bsel:bsel + 1, :, :], K_t, acc_dq_t)
+        T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
         T.barrier_arrive(kv_free[0])
 
     @T.macro
     def stage_scatter(acc, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k, col, width):
+        # one chunk [width, BK] of block k: into the staging rows, then float4 atomics per slot
+        # row (exact mode: scaled by the key's inverse grid inv[k % 2], max taken, rounded)
         for d, j in T.Parallel(width, BK):
             stage[j, d] = acc[d, j]
         for j, d4 in T.Parallel(BK, CW // 4):
             if d4 < width // 4:
                 if exact:
                     for t in T.serial(4):
-                        r4[t] = stage[j, d4 * 4 + t] * inv[j]
+                        r4[t] = stage[j, d4 * 4 + t] * inv[k % 2, j]
                     u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
                         T.max(T.abs(r4[0]), T.abs(r4[1])), T.max(T.abs(r4[2]), T.abs(r4[3]))))
                     for t in T.serial(4):
@@ -460,42 +480,62 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
                                    stage[j, d4 * 4])
 
     @T.macro
-    def dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, bsel, inv, inv_next,
-                  acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag, u_stage, r4, kv_full,
-                  kv_free, pds_full, pds_free, KV, Indices, InvGrid, dKV_acc, Bound, BoundExp,
-                  b_i, s_i, k, buf_parity, NB, t):
+    def dkv_half(Q_h, dO_h, P_all, dS_all, bsel, inv, acc, stage, u_cols, r4, dKV_acc, Indices,
+                 b_i, s_i, k, col0):
+        # the DH // CW chunks of one half of the latent columns (Q_h / dO_h: that half's tiles)
+        for c in T.serial(DH // CW):
+            T.wgmma_gemm(Q_h[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc,
+                         transpose_A=True, clear_accum=True)
+            T.gemm(dO_h[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc,
+                   transpose_A=True)
+            stage_scatter(acc, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
+                          col0 + c * CW, CW)
+
+    @T.macro
+    def dkv_left(Q_l, dO_l, P_all, dS_all, inv, acc, stage, u_cols, u_frag, u_left, u_ready, r4,
+                 dKV_acc, Indices, b_i, s_i, k):
+        # warpgroup 0's share of block k's dKV; in the exact mode its slots' maxima go to
+        # warpgroup 1 (u_left[k % 2], then u_ready[k % 2]), which adds each key's bound once
+        bsel = k % 2
+        if exact:
+            T.fill(u_cols, 0)
+        dkv_half(Q_l, dO_l, P_all, dS_all, bsel, inv, acc, stage, u_cols, r4, dKV_acc, Indices,
+                 b_i, s_i, k, 0)
+        if exact:
+            T.reduce_max(u_cols, u_frag, dim=1)
+            for j in T.Parallel(BK):
+                u_left[bsel, j] = u_frag[j]
+            T.barrier_arrive(u_ready[bsel])
+
+    @T.macro
+    def dkv_right(Q_r, Q_t, dO_r, K_l, K_r, K_t, P_all, dS_all, bsel, inv, acc_dq_r, acc_dkv,
+                  stage, u_cols, u_frag, u_stage, u_left, u_ready, r4, kv_full, kv_free,
+                  pds_full, pds_free, KV, Indices, InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i,
+                  k, buf_parity, NB, t):
         T.barrier_wait(pds_full[bsel], buf_parity)
         # the keys (cp.async), as in scores; P/dS were fenced by their writer
         T.fence_proxy_async()
         T.gemm(dS_all[bsel:bsel + 1, :, :], K_r, acc_dq_r)
-        T.gemm(dS_all[bsel:bsel + 1, :, :], K_t, acc_dq_t)
         T.barrier_arrive(kv_free[0])
         # both warpgroups done with block k's keys: gather block k + 1 under this block's dKV
         T.barrier_wait(kv_free[0], bsel)  # bsel = k & 1: kv_free completes once per block
         if k + 1 < NB:
-            gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv_next, kv_full, b_i, s_i, k + 1, t)
+            gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, k + 1, t)
         if exact:
             T.fill(u_cols, 0)
-        for c in T.serial(DH // CW):
-            T.wgmma_gemm(Q_l[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv,
-                         transpose_A=True, clear_accum=True)
-            T.gemm(dO_l[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv,
-                   transpose_A=True)
-            stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
-                          c * CW, CW)
-        for c in T.serial(DH // CW):
-            T.wgmma_gemm(Q_r[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc_dkv,
-                         transpose_A=True, clear_accum=True)
-            T.gemm(dO_r[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc_dkv,
-                   transpose_A=True)
-            stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
-                          DH + c * CW, CW)
+        dkv_half(Q_r, dO_r, P_all, dS_all, bsel, inv, acc_dkv, stage, u_cols, r4, dKV_acc,
+                 Indices, b_i, s_i, k, DH)
         T.gemm(Q_t, dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True, clear_accum=True)
         stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k, D,
                       D_tail)
-        T.barrier_arrive(pds_free[bsel])
         if exact:
-            add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
+            # each slot's max over both halves; u_left[bsel] is free again with pds_free
+            T.reduce_max(u_cols, u_frag, dim=1)
+            T.barrier_wait(u_ready[bsel], buf_parity)
+            for j in T.Parallel(BK):
+                u_stage[j] = T.max(u_frag[j], u_left[bsel, j])
+            add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
+        T.barrier_arrive(pds_free[bsel])
 
     @T.prim_func
     def sparse_bwd_ws(
@@ -524,9 +564,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
             K_t = T.alloc_shared([BK, D_tail], dtype)
             P_all = T.alloc_shared([2, M, BK], dtype)
             dS_all = T.alloc_shared([2, M, BK], dtype)
-            inv0 = T.alloc_shared([BK], acc_t)
-            inv1 = T.alloc_shared([BK], acc_t)
-            stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
+            inv = T.alloc_shared([2, BK], acc_t)  # block k's key grids in row k % 2
+            stage_l = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
+            stage_r = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
+            u_left = T.alloc_shared([2, BK], acc_t)
             u_stage = T.alloc_shared([BK], acc_t)
 
             q_ready = T.alloc_barrier(arrive_count=2 * WG)
@@ -534,15 +575,20 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
             kv_free = T.alloc_barrier(arrive_count=2 * WG)
             pds_full = T.alloc_barrier(arrive_count=[WG, WG])
             pds_free = T.alloc_barrier(arrive_count=[WG, WG])
+            u_ready = T.alloc_barrier(arrive_count=[WG, WG])
 
             acc_p = T.alloc_fragment([M, BK], acc_t)
             acc_dp = T.alloc_fragment([M, BK], acc_t)
             acc_dq_l = T.alloc_fragment([M, DH], acc_t)
             acc_dq_t = T.alloc_fragment([M, D_tail], acc_t)
             acc_dq_r = T.alloc_fragment([M, DH], acc_t)
-            acc_dkv = T.alloc_fragment([CW, BK], acc_t)
-            u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
-            u_frag = T.alloc_fragment([BK], acc_t)
+            # one dKV accumulator (and exact-mode maxima) per warpgroup: see the docstring
+            acc_dkv_l = T.alloc_fragment([CW, BK], acc_t)
+            acc_dkv_r = T.alloc_fragment([CW, BK], acc_t)
+            u_cols_l = T.alloc_fragment([BK, CW // 4], acc_t)
+            u_cols_r = T.alloc_fragment([BK, CW // 4], acc_t)
+            u_frag_l = T.alloc_fragment([BK], acc_t)
+            u_frag_r = T.alloc_fragment([BK], acc_t)
             lse_f = T.alloc_fragment([M], acc_t)
             delta_f = T.alloc_fragment([M], acc_t)
             sc = T.alloc_local([2], acc_t)
@@ -566,29 +612,31 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
                     lse_f[h] = Lse2[b_i, s_i, h0 + h]
                     delta_f[h] = Delta[b_i, s_i, h0 + h]
                 T.fill(acc_dq_l, 0)
+                T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
                     scores(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, acc_p, acc_dp,
-                           acc_dq_l, kv_full, kv_free, pds_full, pds_free, Indices, lse_f,
-                           delta_f, sc, b_i, s_i, h0, k)
+                           acc_dq_l, acc_dq_t, kv_full, kv_free, pds_full, pds_free, Indices,
+                           lse_f, delta_f, sc, b_i, s_i, k)
+                    dkv_left(Q_l, dO_l, P_all, dS_all, inv, acc_dkv_l, stage_l, u_cols_l,
+                             u_frag_l, u_left, u_ready, r4, dKV_acc, Indices, b_i, s_i, k)
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
+                T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
             else:
                 T.fill(acc_dq_r, 0)
-                T.fill(acc_dq_t, 0)
                 if NB > 0:
-                    gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv0, kv_full, b_i, s_i, 0,
+                    gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, 0,
                            tx - WG)
                 for p in T.serial(T.ceildiv(NB, 2)):
-                    dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, 0, inv0,
-                              inv1, acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag, u_stage,
+                    dkv_right(Q_r, Q_t, dO_r, K_l, K_r, K_t, P_all, dS_all, 0, inv, acc_dq_r,
+                              acc_dkv_r, stage_r, u_cols_r, u_frag_r, u_stage, u_left, u_ready,
                               r4, kv_full, kv_free, pds_full, pds_free, KV, Indices, InvGrid,
                               dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p, p & 1, NB, tx - WG)
                     if 2 * p + 1 < NB:
-                        dkv_block(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, 1,
-                                  inv1, inv0, acc_dq_r, acc_dq_t, acc_dkv, stage, u_cols, u_frag,
-                                  u_stage, r4, kv_full, kv_free, pds_full, pds_free, KV, Indices,
-                                  InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p + 1, p & 1,
-                                  NB, tx - WG)
+                        dkv_right(Q_r, Q_t, dO_r, K_l, K_r, K_t, P_all, dS_all, 1, inv,
+                                  acc_dq_r, acc_dkv_r, stage_r, u_cols_r, u_frag_r, u_stage,
+                                  u_left, u_ready, r4, kv_full, kv_free, pds_full, pds_free, KV,
+                                  Indices, InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i,
+                                  2 * p + 1, p & 1, NB, tx - WG)
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
-                T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
 
     return sparse_bwd_ws
