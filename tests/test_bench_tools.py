@@ -411,3 +411,26 @@ def test_stage_timing_through_the_interface_on_cpu(monkeypatch, margin):
     assert lines[0].startswith("t bwd_det stages, ms (median): preprocess ")
     assert lines[1].startswith(f"t bwd_det exact dKV: {e['keys_rerun']} of {keys} keys re-run "
                                f"({e['slots_rerun']} slots); head-room bits min/p1/p50/p99/max ")
+
+
+def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
+    """The GPU host's copy of a working tree keeps a stale git HEAD: the run records a digest of
+    the sources instead, which a local checkout of the measured commit reproduces."""
+    for d in harness.DIGEST_DIRS:
+        (tmp_path / d / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "k.py").write_text("x = 1\n")
+    (tmp_path / "tools" / "run.sh").write_text("echo\n")
+    (tmp_path / "docs").mkdir()
+    first = harness.source_digest(str(tmp_path))
+    assert len(first) == 12 and int(first, 16) >= 0
+    (tmp_path / "docs" / "notes.md").write_text("not code\n")  # docs do not count
+    (tmp_path / "src" / "pkg" / "__pycache__").mkdir()
+    (tmp_path / "src" / "pkg" / "__pycache__" / "k.py").write_text("cache\n")
+    assert harness.source_digest(str(tmp_path)) == first
+    (tmp_path / "src" / "pkg" / "k.py").write_text("x = 2\n")  # one byte of a kernel
+    assert harness.source_digest(str(tmp_path)) != first
+    (tmp_path / "src" / "pkg" / "k.py").write_text("x = 1\n")
+    (tmp_path / "tools" / "run.sh").rename(tmp_path / "tools" / "run2.sh")  # a path
+    assert harness.source_digest(str(tmp_path)) != first
+    meta = dict(META, sources=first)
+    assert f"commit abc, sources {first}; peak" in harness.run_line(meta)

@@ -40,6 +40,7 @@ step versions
   python3 -c "import tilelang, torch; print('tilelang', tilelang.__version__, '| torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   git log --oneline -1 2>/dev/null || true
+  python3 -c "import sys; sys.path.insert(0, 'tools/bench'); import harness; print('sources', harness.source_digest('.'))"
 } 2>&1 | tee -a "$SUITE"
 
 step precompile

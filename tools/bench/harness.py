@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import json
 import os
 import platform
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -183,7 +185,8 @@ def run_line(meta: dict) -> str:
     """One line naming the run: GPU, versions, time, commit and the ceilings used."""
     return (f"Run: {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, tilelang "
             f"{meta.get('tilelang', '?')}, {meta.get('timestamp', '?')}, commit "
-            f"{meta.get('git') or '?'}; peak {_cell(meta.get('peak_tflops'), '.0f')} TFLOP/s "
+            f"{meta.get('git') or '?'}"
+            f"{', sources ' + meta['sources'] if meta.get('sources') else ''}; peak {_cell(meta.get('peak_tflops'), '.0f')} TFLOP/s "
             f"({meta.get('peak_source', '?')}), copy {_cell(meta.get('copy_tbs'), '.2f')} TB/s "
             f"({meta.get('copy_source', '?')}); x floor = median ms over "
             "max(FLOPs / peak, min bytes / copy rate).")
@@ -220,6 +223,24 @@ def gpu_state() -> str | None:
                    "clocks.mem,power.draw,power.limit,temperature.gpu")
 
 
+#: What :func:`source_digest` hashes: the package, the tools and the tests.
+DIGEST_DIRS = ("src", "tools", "tests")
+
+
+def source_digest(repo: str) -> str:
+    """12 hex digits of sha256 over the relative path and bytes of every ``*.py`` / ``*.sh`` file
+    under ``DIGEST_DIRS`` (sorted): names the code a run measured where the checkout's git
+    metadata cannot (the GPU host's copy of a working tree keeps a stale ``HEAD``).  The same
+    call on a local checkout of a commit gives the same digest."""
+    h = hashlib.sha256()
+    root = Path(repo)
+    files = sorted(f for d in DIGEST_DIRS for pat in ("*.py", "*.sh")
+                   for f in (root / d).rglob(pat) if "__pycache__" not in f.parts)
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def run_meta(repo: str, gpu: str, torch_version: str) -> dict:
     """The meta columns of every row, and what else a reader of results.json needs."""
     sha = _output("git", "-C", repo, "rev-parse", "--short=12", "HEAD")
@@ -232,5 +253,6 @@ def run_meta(repo: str, gpu: str, torch_version: str) -> dict:
             pass
     return {"gpu": gpu, "torch": torch_version, "tilelang": tilelang,
             "timestamp": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "git": sha and sha + ("+dirty" if dirty else ""), "python": platform.python_version(),
+            "git": sha and sha + ("+dirty" if dirty else ""), "sources": source_digest(repo),
+            "python": platform.python_version(),
             "host": platform.node(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
