@@ -148,6 +148,17 @@ def test_warp_specialized_stages_every_dkv_chunk(mode):
     # warpgroup 0: one chunk loop; warpgroup 1 (two unrolled blocks): a chunk loop and the tail
     assert len(staged) == scatters == 5, (staged, scatters)
     assert len(set(staged)) == 2, "each warpgroup needs its own dKV accumulator fragment"
+    # the warpgroups synchronise through mbarriers and 128-thread named barriers only: a
+    # CTA-wide barrier inside one warpgroup's branch would hang
+    branch = src.index("if (((int)threadIdx.x) < 128)")
+    assert "__syncthreads()" not in src[branch:]
+    if mode == "exact":
+        # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for
+        # (both P/dS buffers) and combined, in the same silent-drop class as the staging
+        assert re.search(r"\(\(float\*\)u_left\)\[[^\n]*\] = u_frag", src)
+        assert "u_ready[(k & 1)].arrive()" in src
+        assert "u_ready[0].wait(" in src and "u_ready[1].wait(" in src
+        assert len(re.findall(r"= max\(u_frag\w*\[\w+\], \(\(float\*\)u_left\)", src)) == 2
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")

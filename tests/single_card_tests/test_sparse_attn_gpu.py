@@ -345,6 +345,54 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
         assert e < TOL
 
 
+class _FirstPassCapture(interface.TileLangKernels if cuda_available() else object):
+    """The shipped kernels, except that 64-head first passes may run the one-role kernel
+    (``one_role=True``); keeps a copy of each exact first pass's dq, dKV accumulator, Bound and
+    BoundExp."""
+
+    def __init__(self, one_role=False):
+        super().__init__()
+        self.one_role, self.passes = one_role, []
+
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
+                 dq, acc, bound, bound_exp):
+        args = (q, kv, do, idx, lse2, delta, scale, inv_grid, counts, dq, acc, bound, bound_exp)
+        if self.one_role and m == 64 and with_dq:
+            from paddlefleet.tilelang_ops.attn.kernels import main_args
+
+            # threads, stages, 128-column transposed chunks: the one-role 64-head schedule
+            key = ("bwd_main",) + main_args(m, mode, True) + (256, 1, 128, True, False)
+            self._kernel(key)(*args)
+        else:
+            super().bwd_main(m, mode, with_dq, *args)
+        if with_dq and mode == "exact":
+            torch.cuda.synchronize()
+            self.passes.append([t.clone() for t in (dq, acc, bound, bound_exp)])
+
+
+@pytest.mark.parametrize("case", [
+    dict(B=1, S=40, S_kv=200, H=64, L=150, sink=True, empty_rows=(7,)),  # 5 key blocks: odd
+    dict(B=2, S=24, S_kv=300, H=100, L=200, sink=True),  # two head groups, 28 pad heads
+], ids=["H64_odd_blocks", "H100_two_groups"])
+def test_warp_specialized_bound_equals_one_role(case):
+    """The 64-head kernel splits each key block's dKV between two warpgroups; warpgroup 0 hands
+    its slots' maxima to warpgroup 1, which adds each key's exactness bound.  Nothing else
+    checks those bounds (a lost handover leaves them too small and the results still right),
+    so compare the first pass with the one-role kernel's: the contributions are the same fp32
+    GEMM sums, so dq, the exact dKV accumulator, Bound and BoundExp are bitwise equal."""
+    q, kv, do, sink, idx = _inputs(case, 31)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink)
+    got = {}
+    for one_role in (False, True):
+        prov = _FirstPassCapture(one_role)
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE, provider=prov)
+        assert len(prov.passes) == 1
+        got[one_role] = prov.passes[0]
+    for name, a, b in zip(("dq", "dkv_acc", "bound", "bound_exp"), got[False], got[True]):
+        assert torch.equal(a, b), f"{name}: warp-specialised and one-role first passes differ"
+    assert int(got[False][2].max()) > 0, "no bound was added: the comparison proves nothing"
+
+
 def test_exact_dkv_peaked_attention():
     """Attention piled on a few keys (every row selects keys 0..3, with large logits there):
     those keys' sums are far above the uniform-attention grid guess and go through the re-run.

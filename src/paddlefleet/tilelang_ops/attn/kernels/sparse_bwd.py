@@ -373,18 +373,21 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
       ``i + 1`` (16-byte ``cp.async``, and the keys' grids in the exact mode); then block ``i``'s
       dKV chunks of the right half and the rope tail (a fifth chunk), staged and scattered.
 
-    Every dKV chunk is 64 columns, ``[CW, BK] = Q_c^T dS + dO_c^T P`` on wgmma, staged through
+    Every dKV chunk is 64 columns, ``[CW, BK] = Q_c^T dS + dO_c^T P`` on wgmma (the rope tail
+    chunk: ``Q_t^T dS``; dO has the latent columns only), staged through
     the warpgroup's own fp32 rows and scattered with vector atomics (the exact mode's scaling,
     rounding and bound as in :func:`main`; warpgroup 0 hands its slots' maxima to warpgroup 1,
     which adds each key's bound once).  Each warpgroup's scatter overlaps the other one's GEMMs.
 
     mbarriers: ``kv_full`` (the gather landed), ``kv_free`` (both done with the keys),
-    ``pds_full[b]`` / ``pds_free[b]`` (the P/dS buffer ``b`` handed over and back), ``u_ready[b]``
-    (exact mode: warpgroup 0's slot maxima for the block in buffer ``b``).  Warpgroup 0 walks the
+    ``pds_full[b]`` / ``pds_free[b]`` (the P/dS buffer ``b`` handed over and back, and with it
+    ``u_left[b]``), ``u_ready[b]`` (exact mode: warpgroup 0's slot maxima for the block in
+    buffer ``b``).  Warpgroup 0 walks the
     blocks in one loop with the buffer chosen at run time (two unrolled copies of its body made
     ptxas spill ~900 bytes per thread).  A fragment's layout binds it to the threads of the
     warpgroup that first uses it, so each warpgroup has its own dKV accumulator: one shared
-    fragment made TileLang drop the other warpgroup's staging loop (trial 3, this session).
+    fragment made TileLang drop the other warpgroup's staging loops (round 2, fifth session,
+    trial 4; docs/performance.md).
 
     Balance (session 5, docs/performance.md): with warpgroup 1 doing all nine chunks, warpgroup 0
     waited for the gather 61% of its time (Nsight Compute); the left half on warpgroup 0 took
