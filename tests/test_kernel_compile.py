@@ -155,10 +155,11 @@ def test_warp_specialized_stages_every_dkv_chunk(mode):
     if mode == "exact":
         # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for
         # (both P/dS buffers) and combined, in the same silent-drop class as the staging
-        assert re.search(r"\(\(float\*\)u_left\)\[[^\n]*\] = u_frag", src)
+        assert re.search(r"\(\(float\*\)u_left\)\[[^\n]*\] = u\w*\[", src)
         assert "u_ready[(k & 1)].arrive()" in src
         assert "u_ready[0].wait(" in src and "u_ready[1].wait(" in src
-        assert len(re.findall(r"= max\(u_frag\w*\[\w+\], \(\(float\*\)u_left\)", src)) == 2
+        # the max over both halves, in each of warpgroup 1's two unrolled blocks
+        assert len(re.findall(r"max\(u\w*\[\w+\], \(\(float\*\)u_left\)", src)) >= 2
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
