@@ -73,6 +73,7 @@ def _specs():
 
 SPECS = _specs() if settings.tilelang_flavour() is not None else []
 MAIN64 = ("bwd_main", (64, 576, 512, "exact", True, 32))
+RERUN64 = ("bwd_main", (64, 576, 512, "exact", False, 32))
 
 
 def test_settings_keep_the_merge_off():
@@ -113,22 +114,23 @@ def test_kernel_lowers_for_sm90a(name, args):
         assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
 
 
-def test_compiled_kernel_has_the_merge_off():
-    """The build with the shared settings differs from one with the merge forced on, and is the
-    build TileLang makes from the kernel's own pass configs: flipping the setting in
-    settings.py changes (and fails) this test."""
-    name, args = MAIN64
+@pytest.mark.parametrize("name, args", [MAIN64, RERUN64], ids=["main64_exact", "rerun64_exact"])
+def test_compiled_kernel_has_the_merge_off(name, args):
+    """The build with the shared settings is the build TileLang makes from the kernel's own
+    pass configs, and every shared buffer in it has bytes nobody else uses: the Q tile, loaded
+    before the key loop (the aliasing behind the NaN dQ/dKV of TileLang 0.1.9-0.1.10), and in
+    the two-warpgroup 64-head kernel every buffer, since the warpgroups use them at the same
+    time (a liveness-based merge cannot see that).  Where the merge would move something (the
+    one-role kernel), forcing it on changes the layout: flipping the setting in settings.py
+    changes (and fails) this test."""
     default = _lower(name, args)
     explicit_off = _lower(name, args, settings.pass_configs(**{MERGE: False}))
-    forced_on = _lower(name, args, settings.pass_configs(**{MERGE: True}))
     assert _layout(default) == _layout(explicit_off)
-    assert _layout(default) != _layout(forced_on), (
-        "the shared-memory layout does not depend on the merge setting: is it still applied?"
-    )
-    # With the merge off every shared buffer has bytes nobody else uses: the Q tile, loaded
-    # before the key loop (the aliasing behind the NaN dQ/dKV of TileLang 0.1.9-0.1.10), and in
-    # the warp-specialised 64-head kernel every buffer, since the two warpgroups use them at the
-    # same time (a liveness-based merge cannot see that)
+    if args[4] is False:
+        forced_on = _lower(name, args, settings.pass_configs(**{MERGE: True}))
+        assert _layout(default) != _layout(forced_on), (
+            "the shared-memory layout does not depend on the merge setting: is it still applied?"
+        )
     lay = _layout(default)
     assert [n for n in lay if n.startswith("Q_")], sorted(lay)
     for buf, b0 in lay.items():
@@ -137,29 +139,32 @@ def test_compiled_kernel_has_the_merge_off():
 
 
 @pytest.mark.parametrize("mode", ["exact", "atomic"])
-def test_warp_specialized_stages_every_dkv_chunk(mode):
-    """Each dKV scatter of the 64-head kernel reads rows its warpgroup staged from its own
-    accumulator.  Both warpgroups once shared one accumulator fragment: its layout bound it to
-    warpgroup 0's threads and TileLang silently dropped warpgroup 1's staging loops, whose
-    scatters then added stale rows (wrong dKV, no error)."""
+def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
+    """The 64-head first pass adds each 64-column dKV chunk from the accumulator of the
+    warpgroup that computed it (warpgroup 0: the right half's last chunk and the rope tail;
+    warpgroup 1: the left half's loop and the right half's), after the lane exchange, with the
+    16-byte atomics; a dropped or
+    misplaced scatter leaves a wrong dKV and no error.  The two warpgroups synchronise through
+    mbarriers and 128-thread named barriers only: a CTA-wide barrier inside one warpgroup's
+    branch would hang."""
     src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
-    staged = re.findall(r"\] = (acc_dkv\w*)\[", src)
-    scatters = src.count("AtomicAddx4(")
-    # warpgroup 0: one chunk loop; warpgroup 1 (two unrolled blocks): a chunk loop and the tail
-    assert len(staged) == scatters == 5, (staged, scatters)
-    assert len(set(staged)) == 2, "each warpgroup needs its own dKV accumulator fragment"
-    # the warpgroups synchronise through mbarriers and 128-thread named barriers only: a
-    # CTA-wide barrier inside one warpgroup's branch would hang
     branch = src.index("if (((int)threadIdx.x) < 128)")
+    w0, w1 = (re.search(rf"{w}_a0\[\w+\] = ", src).start() for w in ("w0", "w1"))
+    sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[[^;]*slot\[", src)]
+    assert len(sites) == 4 and branch < w0 < sites[0] < sites[1] < w1 < sites[2], (sites, w0, w1)
+    assert "__shfl_xor_sync((uint)4294967295, condval" in src  # the lane exchange
+    # each warpgroup's copies come from its own accumulator (one fragment for both once made
+    # TileLang drop one warpgroup's loops)
+    copies = set(re.findall(r"(w[01])_[ab][01]\[\w+\] = (acc_w[01])\[", src))
+    assert copies == {("w0", "acc_w0"), ("w1", "acc_w1")}, copies
     assert "__syncthreads()" not in src[branch:]
     if mode == "exact":
-        # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for
-        # (both P/dS buffers) and combined, in the same silent-drop class as the staging
-        assert re.search(r"\(\(float\*\)u_left\)\[[^\n]*\] = u\w*\[", src)
-        assert "u_ready[(k & 1)].arrive()" in src
-        assert "u_ready[0].wait(" in src and "u_ready[1].wait(" in src
-        # the max over both halves, in each of warpgroup 1's two unrolled blocks
-        assert len(re.findall(r"max\(u\w*\[\w+\], \(\(float\*\)u_left\)", src)) >= 2
+        # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for,
+        # combined; then one int64 add and one max per slot
+        assert re.search(r"\(\(float\*\)u_w0\)\[[^\n]*\] = u_l\[0\]", src)
+        assert "u_ready[0].arrive()" in src and "u_ready[0].wait(" in src
+        assert re.search(r"u_l\[0\] = max\(u_l\[0\], \(\(float\*\)u_w0\)", src)
+        assert "AtomicAdd((&(Bound[" in src and "AtomicMax((&(BoundExp[" in src
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")

@@ -18,10 +18,9 @@ Run in this order by ``attn/interface.py``:
                    also sums a bound that proves it (``interface._exact_dkv``).
                  * atomic (``mode="atomic"``): plain fp32 (order-dependent rounding).
 
-With 64-head tiles the first pass (with dQ) is :func:`_warp_specialized`: one warpgroup computes
-P and dS and hands them to the other; each then adds its half of dQ and computes, stages and
-scatters its half of the block's dKV, so that one warpgroup's scatter runs under the other's
-GEMMs.
+With 64-head tiles the first pass (with dQ) is :func:`_two_warpgroups`, on 64-key blocks: one
+warpgroup computes P and dS and hands them to the other; both add their part of dQ and of the
+block's dKV, straight from the accumulator registers.
 
 Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
 ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
@@ -29,7 +28,7 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 """
 
 from ... import settings
-from .async_copy import gather_key_block, load_head_tile
+from .async_copy import load_head_tile
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -45,15 +44,22 @@ U_FLOOR = float(2**-120)
 
 
 @T.macro
+def slot_bound(Bound, BoundExp, b_i, idx, u):
+    """One (row, head group, slot) contribution's share of the exactness proof for key ``idx``
+    (``>= 0``): ``ceil(u)`` into the int64 sum, the exponent of ``u`` into the max."""
+    T.atomic_add(Bound[b_i, idx], T.Cast("int64", T.ceil(T.min(u, U_CLAMP))))
+    T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
+        T.log2(T.max(T.min(u, EXP_CLAMP), U_FLOOR)))) + 1)
+
+
+@T.macro
 def add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k):
     """The atomics of :func:`add_key_bounds`, from each slot's ``u`` in ``u_stage [BK]``."""
     BK = u_stage.shape[0]
     for j in T.Parallel(BK):
         idx = Indices[b_i, s_i, k * BK + j]
         if idx >= 0:
-            T.atomic_add(Bound[b_i, idx], T.Cast("int64", T.ceil(T.min(u_stage[j], U_CLAMP))))
-            T.atomic_max(BoundExp[b_i, idx], T.Cast("int32", T.ceil(
-                T.log2(T.max(T.min(u_stage[j], EXP_CLAMP), U_FLOOR)))) + 1)
+            slot_bound(Bound, BoundExp, b_i, idx, u_stage[j])
 
 
 @T.macro
@@ -108,7 +114,8 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
-         dkv_transposed: bool | None = None, warp_specialized: bool | None = None):
+         dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
+         wg0_chunks: int = 2):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -151,9 +158,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     ``mma_sync``, whose 8 warps each re-read dS^T / P^T through ldmatrix (the kernel is bound by
     shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
     forms are wgmma.)  ``warp_specialized`` (default: 64-head tiles) builds the 64-head first pass
-    as :func:`_warp_specialized` instead (two warpgroups with different roles; runs 29-30:
-    atomic `ref` 12.44 -> 9.74 ms, deterministic 15.79 -> 12.47 in trials); the other knobs then
-    do not apply.
+    as :func:`_two_warpgroups` instead (two warpgroups with different roles, 64-key blocks); the
+    other knobs then do not apply, and ``wg0_chunks`` (0, 1 or 2) is how many of each block's
+    nine dKV chunks its scores warpgroup adds (docs/performance.md, sixth session: 2).
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -161,7 +168,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     if warp_specialized is None:  # measured faster for 64-head tiles (run 29)
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, mode, block_k)
+        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks)
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -247,6 +254,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
             inv_grid = T.alloc_shared([BK], acc_t)
             u_stage = T.alloc_shared([BK], acc_t)
+            u_w0 = T.alloc_shared([2, BK], acc_t)  # warpgroup 0's slot maxima, row k % 2
             valid = T.alloc_fragment([BK], "bool")
 
             acc_p = T.alloc_fragment([M, BK], acc_t)
@@ -358,59 +366,50 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_k: int = 32,
-                      dkv_chunk: int = 64):
-    """The 64-head main backward as two warpgroups (256 threads) with different roles, same
-    arguments and results as :func:`main` with ``with_dq=True`` (the exact re-run, which has no
-    dQ, keeps the one-role kernel).
+def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chunks: int = 2):
+    """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
+    straight from the accumulator registers; same arguments and results as :func:`main` with
+    ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
 
-    * warpgroup 0: waits for key block ``i``, computes ``S``, ``P``, ``dP``, ``dS`` on its own
-      (``M = 64`` heads, ``N = BK`` keys: the query and dO tiles are read from shared memory once
-      per block, where two warpgroups splitting ``N`` read them twice), hands ``P`` / ``dS``
-      over in buffer ``i % 2``, adds dQ's left half (256 latent columns) and rope tail, then
-      computes, stages and scatters the dKV chunks of the left half;
-    * warpgroup 1: dQ's right half; then, once both are done with the keys, the gather of block
-      ``i + 1`` (16-byte ``cp.async``, and the keys' grids in the exact mode); then block ``i``'s
-      dKV chunks of the right half and the rope tail (a fifth chunk), staged and scattered.
+    * warpgroup 0 (scores): waits for key block ``i``; ``S = Q K^T`` and ``dP = dO V^T`` as one
+      batch of GEMMs, then ``P`` and ``dS``, handed over through shared memory once warpgroup 1
+      is done with block ``i - 1``'s; ``dQ[:, :Dv/2] += dS K_l`` and the rope tail's
+      ``dS K_t``; then it gathers block ``i + 1`` (the left half of the latent columns at once:
+      only it reads them; the right half and the rope tail once warpgroup 1 has added its part
+      of dQ, ``kv_free``) and, under the gather's latency, adds block ``i``'s last
+      ``wg0_chunks`` dKV chunks (the rope tail, then the right half's last).
+    * warpgroup 1 (dKV): ``dQ[:, Dv/2:] += dS K_r``; then the block's other dKV chunks, each
+      ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).
 
-    Every dKV chunk is 64 columns, ``[CW, BK] = Q_c^T dS + dO_c^T P`` on wgmma (the rope tail
-    chunk: ``Q_t^T dS``; dO has the latent columns only), staged through
-    the warpgroup's own fp32 rows and scattered with vector atomics (the exact mode's scaling,
-    rounding and bound as in :func:`main`; warpgroup 0 hands its slots' maxima to warpgroup 1,
-    which adds each key's bound once).  Each warpgroup's scatter overlaps the other one's GEMMs.
+    Each chunk is added into ``dKV_acc`` from the wgmma accumulator with 16-byte atomics after a
+    lane exchange (:func:`scatter_chunk` inside), no staging in shared memory; the exact mode
+    scales, takes each slot's maximum and rounds in registers, and warpgroup 0 hands its
+    chunks' maxima to warpgroup 1 (``u_w0``, ``u_ready``), which adds each key's bound once.
 
-    mbarriers: ``kv_full`` (the gather landed), ``kv_free`` (both done with the keys),
-    ``pds_full[b]`` / ``pds_free[b]`` (the P/dS buffer ``b`` handed over and back, and with it
-    ``u_left[b]``), ``u_ready[b]`` (exact mode: warpgroup 0's slot maxima for the block in
-    buffer ``b``).  Warpgroup 0 walks the
-    blocks in one loop with the buffer chosen at run time (two unrolled copies of its body made
-    ptxas spill ~900 bytes per thread).  A fragment's layout binds it to the threads of the
-    warpgroup that first uses it, so each warpgroup has its own dKV accumulator: one shared
-    fragment made TileLang drop the other warpgroup's staging loops (round 2, fifth session,
-    trial 4; docs/performance.md).
+    Why: with 32-key blocks the dKV GEMM has ``M = 32`` (too few rows for a row-major wgmma), so
+    it ran transposed through fp32 staging rows in shared memory, and every 32-key GEMM re-read
+    its 64-row operand for half the work (docs/performance.md, round 2, sixth session).  Shared
+    memory holds one 64-key block (Q, dO, K: 208 KB; P and dS: 16 KB), so block ``i + 1``'s
+    gather waits until block ``i``'s K is read.
 
-    Balance (session 5, docs/performance.md): with warpgroup 1 doing all nine chunks, warpgroup 0
-    waited for the gather 61% of its time (Nsight Compute); the left half on warpgroup 0 took
-    atomic `ref` 10.90 -> 9.74 ms, deterministic 14.60 -> 12.47; three or five chunks on warpgroup
-    0 were slower.
+    mbarriers (each completes once per block, waited on with parity ``i & 1``): ``kl_full`` /
+    ``kr_full`` (the gather's two parts landed), ``kv_free`` (warpgroup 1 done with K_r),
+    ``pds_full`` (P, dS written), ``pds_free`` (warpgroup 1 done reading them), ``u_ready``
+    (exact mode: warpgroup 0's slot maxima written).
     """
-    assert heads_per_cta == 64 and block_k == 32 and d_v % 256 == 0
+    assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
+    assert wg0_chunks in (0, 1, 2)
     exact = mode == "exact"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
     D_tail = d_qk - d_v
-    BK = block_k
-    CW = dkv_chunk
-    # the rope tail is one more chunk of warpgroup 1, in the same accumulator and staging rows
-    assert DH % CW == 0 and D_tail == CW
-    STAGE_PAD = 4
+    BK = 64
+    CW = 64
     WG = 128
     dtype = "bfloat16"
     acc_t = "float32"
-    Q_CHUNKS = M * d_qk // 8
-    DO_CHUNKS = M * D // 8
-    assert Q_CHUNKS % (2 * WG) == 0 and DO_CHUNKS % (2 * WG) == 0
+    assert (M * d_qk // 8) % (2 * WG) == 0 and (M * D // 8) % (2 * WG) == 0
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -418,132 +417,111 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
     L = T.dynamic("L")
     H_pad = T.dynamic("H_pad")
 
+    def slot_row(t):
+        # the accumulator row (slot of the key block) thread t of a warpgroup adds, see
+        # scatter_chunk
+        return (t // 32) * 16 + (t % 32) // 4 + 8 * (t % 2)
+
     @T.macro
-    def gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, k, t):
-        # block k of the row's slots, and in the exact mode the keys' grids (into inv[k % 2])
-        gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t)
+    def gather_cols(KV, Indices, dst, col0, b_i, s_i, k, t):
+        # columns [col0, col0 + width) of key block k's latent rows into dst [BK, width], by
+        # 128 threads, 16 bytes each per step (a -1 slot copies row 0; its score is masked)
+        width = dst.shape[1]
+        per_row = width // 8
+        for r in T.serial(BK * per_row // WG):
+            c = r * WG + t
+            j = c // per_row
+            col = (c % per_row) * 8
+            row = T.max(Indices[b_i, s_i, k * BK + j], 0)
+            T.ptx_cp_async(T.access_ptr(dst[j, col], "w", 8),
+                           T.access_ptr(KV[b_i, row, col0 + col], "r", 8), 8)
+
+    @T.macro
+    def gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k, t):
+        gather_cols(KV, Indices, K_l, 0, b_i, s_i, k, t)
+        T.cp_async_barrier_noinc(kl_full[0])
+
+    @T.macro
+    def gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, k, t):
+        # the right half, the rope tail and, in the exact mode, the keys' grids (inv[k % 2])
+        gather_cols(KV, Indices, K_r, DH, b_i, s_i, k, t)
+        gather_cols(KV, Indices, K_t, D, b_i, s_i, k, t)
         if exact:
             if t < BK:
                 T.ptx_cp_async(T.access_ptr(inv[k % 2, t], "w", 1),
                                T.access_ptr(InvGrid[b_i, T.max(Indices[b_i, s_i, k * BK + t], 0)],
                                             "r", 1), 1)
-        T.cp_async_barrier_noinc(kv_full[0])
+        T.cp_async_barrier_noinc(kr_full[0])
 
     @T.macro
-    def scores(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, acc_p, acc_dp, acc_dq_l,
-               acc_dq_t, kv_full, kv_free, pds_full, pds_free, Indices, lse_f, delta_f, sc, b_i,
-               s_i, k):
-        # one key block per iteration, the P/dS buffer and its barriers chosen at run time (two
-        # unrolled copies of this body, one per buffer, made ptxas spill ~900 bytes)
-        bsel = k % 2
-        T.barrier_wait(kv_full[0], k & 1)
-        T.fence_proxy_async()  # cp.async wrote through the generic proxy, wgmma reads async
-        for h, j in T.Parallel(M, BK):
-            acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
-                                         -T.infinity(acc_t))
-        T.wgmma_gemm(Q_l, K_l, acc_p, transpose_B=True)
-        T.wgmma_gemm(Q_r, K_r, acc_p, transpose_B=True)
-        T.gemm(Q_t, K_t, acc_p, transpose_B=True)
-        for h, j in T.Parallel(M, BK):
-            acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - lse_f[h])
-        T.wgmma_gemm(dO_l, K_l, acc_dp, transpose_B=True, clear_accum=True)
-        T.gemm(dO_r, K_r, acc_dp, transpose_B=True)
-        for h, j in T.Parallel(M, BK):
-            acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_f[h]) * sc[1]
-        # warpgroup 1 must be done with this buffer's previous block (two blocks ago)
-        T.barrier_wait(pds_free[bsel], ((k // 2) & 1) ^ 1)
-        T.copy(acc_p, P_all[bsel:bsel + 1, :, :])
-        T.copy(acc_dp, dS_all[bsel:bsel + 1, :, :])
-        T.fence_proxy_async()  # read by wgmma (both warpgroups)
-        T.barrier_arrive(pds_full[bsel])
-        # dQ's left half and rope tail, one wait for both
-        T.wgmma_gemm(dS_all[bsel:bsel + 1, :, :], K_l, acc_dq_l)
-        T.gemm(dS_all[bsel:bsel + 1, :, :], K_t, acc_dq_t)
-        T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
-        T.barrier_arrive(kv_free[0])
+    def own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t):
+        # thread t's key row in block k (slot_row), its inverse grid, a fresh running max
+        slot[0] = Indices[b_i, s_i, k * BK + slot_row(t)]
+        if exact:
+            inv_l[0] = inv[k % 2, slot_row(t)]
+            u_l[0] = 0
 
     @T.macro
-    def stage_scatter(acc, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k, col, width):
-        # one chunk [width, BK] of block k: into the staging rows, then float4 atomics per slot
-        # row (exact mode: scaled by the key's inverse grid inv[k % 2], max taken, rounded)
-        for d, j in T.Parallel(width, BK):
-            stage[j, d] = acc[d, j]
-        for j, d4 in T.Parallel(BK, CW // 4):
-            if d4 < width // 4:
+    def scatter_chunk(acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i, col, t):
+        # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
+        # Thread t holds columns 8g + 2 (t % 4) + {0, 1} of rows r = 16 (t // 32) + (t % 32) // 4
+        # and r + 8; lanes t and t ^ 1 swap halves so that the even lane holds 4 adjacent
+        # columns of row r and the odd lane of row r + 8 (slot_row).  8-byte atomics straight
+        # from the pairs were twice the L2 operations: ~5 ms of the atomic call at `ref`.
+        # TileLang takes one index per fragment in a parallel loop: the pairs' even and odd
+        # columns and the other half row as copies (register renames after ptxas)
+        for j, d2 in T.Parallel(BK, CW // 2):
+            a0[j, d2] = acc[j, 2 * d2]
+        for j, d2 in T.Parallel(BK, CW // 2):
+            a1[j, d2] = acc[j, 2 * d2 + 1]
+        for j, d2 in T.Parallel(BK, CW // 2):
+            b0[j, d2] = acc[(j + 8) % 16 + j // 16 * 16, 2 * d2]
+        for j, d2 in T.Parallel(BK, CW // 2):
+            b1[j, d2] = acc[(j + 8) % 16 + j // 16 * 16, 2 * d2 + 1]
+        odd = t % 2 == 1
+        for j, d2 in T.Parallel(BK, CW // 2):
+            if j % 16 < 8:  # once per pair of half rows
+                x0 = T.shfl_xor(T.if_then_else(odd, a0[j, d2], b0[j, d2]), 1)
+                x1 = T.shfl_xor(T.if_then_else(odd, a1[j, d2], b1[j, d2]), 1)
+                r4[0] = T.if_then_else(odd, x0, a0[j, d2])
+                r4[1] = T.if_then_else(odd, x1, a1[j, d2])
+                r4[2] = T.if_then_else(odd, b0[j, d2], x0)
+                r4[3] = T.if_then_else(odd, b1[j, d2], x1)
                 if exact:
-                    for t in T.serial(4):
-                        r4[t] = stage[j, d4 * 4 + t] * inv[k % 2, j]
-                    u_cols[j, d4] = T.max(u_cols[j, d4], T.max(
-                        T.max(T.abs(r4[0]), T.abs(r4[1])), T.max(T.abs(r4[2]), T.abs(r4[3]))))
-                    for t in T.serial(4):
-                        r4[t] = T.round(r4[t])
-                    if Indices[b_i, s_i, k * BK + j] >= 0:
-                        T.atomic_addx4(dKV_acc[b_i, Indices[b_i, s_i, k * BK + j],
-                                               col + d4 * 4], r4[0])
-                elif Indices[b_i, s_i, k * BK + j] >= 0:
-                    T.atomic_addx4(dKV_acc[b_i, Indices[b_i, s_i, k * BK + j], col + d4 * 4],
-                                   stage[j, d4 * 4])
+                    # in grid units (c / g_j, exact: g_j a power of two); the slot's running
+                    # max |c / g| before the rounding (a grid too coarse still shows the size)
+                    for e in T.unroll(4):
+                        r4[e] = r4[e] * inv_l[0]
+                        u_l[0] = T.max(u_l[0], T.abs(r4[e]))
+                        r4[e] = T.round(r4[e])
+                if slot[0] >= 0:
+                    T.atomic_addx4(dKV_acc[b_i, slot[0], col + 2 * d2 - 2 * (t % 2)], r4[0])
 
     @T.macro
-    def dkv_half(Q_h, dO_h, P_all, dS_all, bsel, inv, acc, stage, u_cols, r4, dKV_acc, Indices,
-                 b_i, s_i, k, col0):
-        # the DH // CW chunks of one half of the latent columns (Q_h / dO_h: that half's tiles)
-        for c in T.serial(DH // CW):
-            T.wgmma_gemm(Q_h[:, c * CW:(c + 1) * CW], dS_all[bsel:bsel + 1, :, :], acc,
-                         transpose_A=True, clear_accum=True)
-            T.gemm(dO_h[:, c * CW:(c + 1) * CW], P_all[bsel:bsel + 1, :, :], acc,
-                   transpose_A=True)
-            stage_scatter(acc, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k,
-                          col0 + c * CW, CW)
+    def slot_max(u_l):
+        # each slot row is spread over lanes t and t ^ 2 (32 columns each)
+        u_l[0] = T.max(u_l[0], T.shfl_xor(u_l[0], 2))
 
     @T.macro
-    def dkv_left(Q_l, dO_l, P_all, dS_all, inv, acc, stage, u_cols, u_frag, u_left, u_ready, r4,
-                 dKV_acc, Indices, b_i, s_i, k):
-        # warpgroup 0's share of block k's dKV; in the exact mode its slots' maxima go to
-        # warpgroup 1 (u_left[k % 2], then u_ready[k % 2]), which adds each key's bound once
-        bsel = k % 2
-        if exact:
-            T.fill(u_cols, 0)
-        dkv_half(Q_l, dO_l, P_all, dS_all, bsel, inv, acc, stage, u_cols, r4, dKV_acc, Indices,
-                 b_i, s_i, k, 0)
-        if exact:
-            T.reduce_max(u_cols, u_frag, dim=1)
-            for j in T.Parallel(BK):
-                u_left[bsel, j] = u_frag[j]
-            T.barrier_arrive(u_ready[bsel])
+    def add_slot_bound(u, slot, Bound, BoundExp, b_i, t):
+        # the exactness proof for the slot, once per row (lanes t and t ^ 2 share it)
+        if t % 4 < 2:
+            if slot[0] >= 0:
+                slot_bound(Bound, BoundExp, b_i, slot[0], u)
 
     @T.macro
-    def dkv_right(Q_r, Q_t, dO_r, K_l, K_r, K_t, P_all, dS_all, bsel, inv, acc_dq_r, acc_dkv,
-                  stage, u_cols, u_frag, u_stage, u_left, u_ready, r4, kv_full, kv_free,
-                  pds_full, pds_free, KV, Indices, InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i,
-                  k, buf_parity, NB, t):
-        T.barrier_wait(pds_full[bsel], buf_parity)
-        # the keys (cp.async), as in scores; P/dS were fenced by their writer
-        T.fence_proxy_async()
-        T.gemm(dS_all[bsel:bsel + 1, :, :], K_r, acc_dq_r)
-        T.barrier_arrive(kv_free[0])
-        # both warpgroups done with block k's keys: gather block k + 1 under this block's dKV
-        T.barrier_wait(kv_free[0], bsel)  # bsel = k & 1: kv_free completes once per block
-        if k + 1 < NB:
-            gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, k + 1, t)
-        if exact:
-            T.fill(u_cols, 0)
-        dkv_half(Q_r, dO_r, P_all, dS_all, bsel, inv, acc_dkv, stage, u_cols, r4, dKV_acc,
-                 Indices, b_i, s_i, k, DH)
-        T.gemm(Q_t, dS_all[bsel:bsel + 1, :, :], acc_dkv, transpose_A=True, clear_accum=True)
-        stage_scatter(acc_dkv, stage, inv, u_cols, r4, dKV_acc, Indices, b_i, s_i, k, D,
-                      D_tail)
-        if exact:
-            # each slot's max over both halves; u_left[bsel] is free again with pds_free
-            T.reduce_max(u_cols, u_frag, dim=1)
-            T.barrier_wait(u_ready[bsel], buf_parity)
-            for j in T.Parallel(BK):
-                u_stage[j] = T.max(u_frag[j], u_left[bsel, j])
-            add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
-        T.barrier_arrive(pds_free[bsel])
+    def dkv_chunks(Q_h, dO_h, P_s, dS_s, acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i,
+                   c0, n, col0, t):
+        # chunks c0 .. c0 + n - 1 of one half of the latent columns (Q_h / dO_h: that half)
+        for c in T.serial(n):
+            T.wgmma_gemm(dS_s, Q_h[:, (c0 + c) * CW:(c0 + c + 1) * CW], acc, transpose_A=True,
+                         clear_accum=True)
+            T.gemm(P_s, dO_h[:, (c0 + c) * CW:(c0 + c + 1) * CW], acc, transpose_A=True)
+            scatter_chunk(acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i,
+                          col0 + (c0 + c) * CW, t)
 
     @T.prim_func
-    def sparse_bwd_ws(
+    def sparse_bwd_two_wg(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
         KV: T.Tensor([B, S_kv, d_qk], dtype),
         dO: T.Tensor([B, S, H_pad, D], dtype),
@@ -567,41 +545,50 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
             K_l = T.alloc_shared([BK, DH], dtype)
             K_r = T.alloc_shared([BK, DH], dtype)
             K_t = T.alloc_shared([BK, D_tail], dtype)
-            P_all = T.alloc_shared([2, M, BK], dtype)
-            dS_all = T.alloc_shared([2, M, BK], dtype)
+            P_s = T.alloc_shared([M, BK], dtype)
+            dS_s = T.alloc_shared([M, BK], dtype)
             inv = T.alloc_shared([2, BK], acc_t)  # block k's key grids in row k % 2
-            stage_l = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
-            stage_r = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
-            u_left = T.alloc_shared([2, BK], acc_t)
-            u_stage = T.alloc_shared([BK], acc_t)
+            u_w0 = T.alloc_shared([2, BK], acc_t)  # warpgroup 0's slot maxima, row k % 2
 
             q_ready = T.alloc_barrier(arrive_count=2 * WG)
-            kv_full = T.alloc_barrier(arrive_count=WG)
-            kv_free = T.alloc_barrier(arrive_count=2 * WG)
-            pds_full = T.alloc_barrier(arrive_count=[WG, WG])
-            pds_free = T.alloc_barrier(arrive_count=[WG, WG])
-            u_ready = T.alloc_barrier(arrive_count=[WG, WG])
+            kl_full = T.alloc_barrier(arrive_count=WG)
+            kr_full = T.alloc_barrier(arrive_count=WG)
+            kv_free = T.alloc_barrier(arrive_count=WG)
+            pds_full = T.alloc_barrier(arrive_count=WG)
+            pds_free = T.alloc_barrier(arrive_count=WG)
+            u_ready = T.alloc_barrier(arrive_count=WG)
 
             acc_p = T.alloc_fragment([M, BK], acc_t)
             acc_dp = T.alloc_fragment([M, BK], acc_t)
             acc_dq_l = T.alloc_fragment([M, DH], acc_t)
             acc_dq_t = T.alloc_fragment([M, D_tail], acc_t)
             acc_dq_r = T.alloc_fragment([M, DH], acc_t)
-            # one dKV accumulator (and exact-mode maxima) per warpgroup: see the docstring
-            acc_dkv_l = T.alloc_fragment([CW, BK], acc_t)
-            acc_dkv_r = T.alloc_fragment([CW, BK], acc_t)
-            u_cols_l = T.alloc_fragment([BK, CW // 4], acc_t)
-            u_cols_r = T.alloc_fragment([BK, CW // 4], acc_t)
-            u_frag_l = T.alloc_fragment([BK], acc_t)
-            u_frag_r = T.alloc_fragment([BK], acc_t)
             lse_f = T.alloc_fragment([M], acc_t)
             delta_f = T.alloc_fragment([M], acc_t)
+            # one dKV accumulator (and its copies) per warpgroup: a fragment's layout binds it
+            # to the warpgroup that uses it first
+            acc_w0 = T.alloc_fragment([BK, CW], acc_t)
+            w0_a0 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w0_a1 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w0_b0 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w0_b1 = T.alloc_fragment([BK, CW // 2], acc_t)
+            acc_w1 = T.alloc_fragment([BK, CW], acc_t)
+            w1_a0 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w1_a1 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w1_b0 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w1_b1 = T.alloc_fragment([BK, CW // 2], acc_t)
             sc = T.alloc_local([2], acc_t)
             r4 = T.alloc_local([4], acc_t)
+            slot = T.alloc_local([1], "int32")
+            inv_l = T.alloc_local([1], acc_t)
+            u_l = T.alloc_local([1], acc_t)
 
             tx = T.get_thread_binding()
             h0 = g_i * M
             NB = L // BK
+            if tx < WG and NB > 0:  # block 0's keys, under the query tile's load
+                gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx)
+                gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx)
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
             load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
@@ -609,39 +596,92 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, mode: str, block_
             T.fence_proxy_async()
 
             if tx < WG:
-                sc[0] = Scale[0] * LOG2E
+                sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
                 sc[1] = Scale[0]
-                # the row's LSE and Delta in registers once (per-block loads kept ~64 registers
-                # of hoisted addresses live: ptxas spilled)
                 for h in T.Parallel(M):
                     lse_f[h] = Lse2[b_i, s_i, h0 + h]
                     delta_f[h] = Delta[b_i, s_i, h0 + h]
                 T.fill(acc_dq_l, 0)
                 T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
-                    scores(Q_l, Q_r, Q_t, dO_l, dO_r, K_l, K_r, K_t, P_all, dS_all, acc_p, acc_dp,
-                           acc_dq_l, acc_dq_t, kv_full, kv_free, pds_full, pds_free, Indices,
-                           lse_f, delta_f, sc, b_i, s_i, k)
-                    dkv_left(Q_l, dO_l, P_all, dS_all, inv, acc_dkv_l, stage_l, u_cols_l,
-                             u_frag_l, u_left, u_ready, r4, dKV_acc, Indices, b_i, s_i, k)
+                    for h, j in T.Parallel(M, BK):
+                        acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                                     -T.infinity(acc_t))
+                    # the left half's GEMMs as soon as it lands, the rest after the right half
+                    T.barrier_wait(kl_full[0], k & 1)
+                    T.fence_proxy_async()  # cp.async wrote through the generic proxy
+                    T.wgmma_gemm(Q_l, K_l, acc_p, transpose_B=True)
+                    T.wgmma_gemm(dO_l, K_l, acc_dp, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(kr_full[0], k & 1)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(Q_r, K_r, acc_p, transpose_B=True)
+                    T.wgmma_gemm(Q_t, K_t, acc_p, transpose_B=True)
+                    T.gemm(dO_r, K_r, acc_dp, transpose_B=True)
+                    for h, j in T.Parallel(M, BK):
+                        acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - lse_f[h])
+                        acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_f[h]) * sc[1]
+                    # warpgroup 1 must be done with block k - 1's P / dS
+                    T.barrier_wait(pds_free[0], (k & 1) ^ 1)
+                    T.copy(acc_p, P_s)
+                    T.copy(acc_dp, dS_s)
+                    T.fence_proxy_async()  # read by wgmma (both warpgroups)
+                    T.barrier_arrive(pds_full[0])
+                    T.wgmma_gemm(dS_s, K_l, acc_dq_l)
+                    T.gemm(dS_s, K_t, acc_dq_t)
+                    T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
+                    if k + 1 < NB:
+                        gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx)
+                        T.barrier_wait(kv_free[0], k & 1)
+                        gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
+                                     k + 1, tx)
+                    if wg0_chunks > 0:
+                        own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, tx)
+                        if wg0_chunks == 2:
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w0, w0_a0, w0_a1, w0_b0, w0_b1,
+                                       r4, slot, inv_l, u_l, dKV_acc, b_i, DH // CW - 1, 1, DH,
+                                       tx)
+                        T.gemm(dS_s, Q_t, acc_w0, transpose_A=True, clear_accum=True)
+                        scatter_chunk(acc_w0, w0_a0, w0_a1, w0_b0, w0_b1, r4, slot, inv_l, u_l,
+                                      dKV_acc, b_i, D, tx)
+                        if exact:
+                            slot_max(u_l)
+                            if tx % 4 < 2:
+                                u_w0[k % 2, slot_row(tx)] = u_l[0]
+                            T.barrier_arrive(u_ready[0])
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
                 T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
             else:
+                t = tx - WG
                 T.fill(acc_dq_r, 0)
-                if NB > 0:
-                    gather(KV, Indices, InvGrid, K_l, K_r, K_t, inv, kv_full, b_i, s_i, 0,
-                           tx - WG)
-                for p in T.serial(T.ceildiv(NB, 2)):
-                    dkv_right(Q_r, Q_t, dO_r, K_l, K_r, K_t, P_all, dS_all, 0, inv, acc_dq_r,
-                              acc_dkv_r, stage_r, u_cols_r, u_frag_r, u_stage, u_left, u_ready,
-                              r4, kv_full, kv_free, pds_full, pds_free, KV, Indices, InvGrid,
-                              dKV_acc, Bound, BoundExp, b_i, s_i, 2 * p, p & 1, NB, tx - WG)
-                    if 2 * p + 1 < NB:
-                        dkv_right(Q_r, Q_t, dO_r, K_l, K_r, K_t, P_all, dS_all, 1, inv,
-                                  acc_dq_r, acc_dkv_r, stage_r, u_cols_r, u_frag_r, u_stage,
-                                  u_left, u_ready, r4, kv_full, kv_free, pds_full, pds_free, KV,
-                                  Indices, InvGrid, dKV_acc, Bound, BoundExp, b_i, s_i,
-                                  2 * p + 1, p & 1, NB, tx - WG)
+                for k in T.serial(NB):
+                    T.barrier_wait(pds_full[0], k & 1)
+                    # the keys came by cp.async (generic proxy) and P / dS were fenced by
+                    # their writer; both are read by wgmma
+                    T.fence_proxy_async()
+                    T.gemm(dS_s, K_r, acc_dq_r)
+                    T.barrier_arrive(kv_free[0])
+                    own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t)
+                    dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4, slot,
+                               inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0, t)
+                    if wg0_chunks == 0:
+                        dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
+                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH, t)
+                        T.gemm(dS_s, Q_t, acc_w1, transpose_A=True, clear_accum=True)
+                        # the last read of P / dS: warpgroup 0 may write block k + 1's
+                        T.barrier_arrive(pds_free[0])
+                        scatter_chunk(acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4, slot, inv_l, u_l,
+                                      dKV_acc, b_i, D, t)
+                    else:
+                        dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
+                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW - wg0_chunks + 1,
+                                   DH, t)
+                        T.barrier_arrive(pds_free[0])
+                    if exact:
+                        slot_max(u_l)
+                        if wg0_chunks > 0:
+                            T.barrier_wait(u_ready[0], k & 1)
+                            u_l[0] = T.max(u_l[0], u_w0[k % 2, slot_row(t)])
+                        add_slot_bound(u_l[0], slot, Bound, BoundExp, b_i, t)
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
 
-    return sparse_bwd_ws
+    return sparse_bwd_two_wg
