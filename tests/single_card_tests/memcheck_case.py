@@ -1,6 +1,6 @@
 """One small case for ``compute-sanitizer --tool memcheck`` (run by tools/run_gpu_suite.sh):
 ``python memcheck_case.py [H]``, H=8 by default (head tile 16, so pad heads); H=100 runs the
-64-head kernels (the warp-specialised forward, the transposed dKV chunks) on two head groups
+64-head kernels (the warp-specialised forward, the two-warpgroup backward) on two head groups
 with 28 pad heads.  Top-k 100 (padded to 128 with -1), early rows with few keys and whole -1
 rows, with a sink; forward, deterministic (also with the exact dKV's re-run forced) and atomic
 backward.  Any out-of-bounds access in a kernel is reported by the sanitizer; the script itself

@@ -159,7 +159,7 @@ CASES = [
     dict(id="H48_L2048_sink", B=1, S=32, S_kv=2100, H=48, L=2048, sink=True),
     dict(id="H64_L2048_sink", B=1, S=64, S_kv=2112, H=64, L=2048, sink=True),
     dict(id="H64_B2_L640_empty", B=2, S=40, S_kv=700, H=64, L=640, empty_rows=(3,)),
-    # 192 slots: an odd number (3) of the warp-specialised forward's 64-key blocks above one
+    # 192 slots: an odd number (3) of the 64-head forward's and backward's 64-key blocks
     dict(id="H64_L150_sink_oddblocks", B=1, S=40, S_kv=200, H=64, L=150, sink=True,
          empty_rows=(7,)),
     dict(id="H64_bh16_L100_sink_i64", B=1, S=48, S_kv=120, H=64, L=100, sink=True,
@@ -371,7 +371,7 @@ class _FirstPassCapture(interface.TileLangKernels if cuda_available() else objec
 
 
 @pytest.mark.parametrize("case", [
-    dict(B=1, S=40, S_kv=200, H=64, L=150, sink=True, empty_rows=(7,)),  # 5 key blocks: odd
+    dict(B=1, S=40, S_kv=200, H=64, L=150, sink=True, empty_rows=(7,)),  # 3 key blocks: odd
     dict(B=2, S=24, S_kv=300, H=100, L=200, sink=True),  # two head groups, 28 pad heads
 ], ids=["H64_odd_blocks", "H100_two_groups"])
 def test_warp_specialized_bound_equals_one_role(case):
