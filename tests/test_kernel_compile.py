@@ -151,13 +151,24 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     branch = src.index("if (((int)threadIdx.x) < 128)")
     w0, w1 = (re.search(rf"{w}_a0\[\w+\] = ", src).start() for w in ("w0", "w1"))
     sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[[^;]*slot\[", src)]
-    assert len(sites) == 4 and branch < w0 < sites[0] < sites[1] < w1 < sites[2], (sites, w0, w1)
+    # warpgroup 0: two chunks; warpgroup 1: seven, in two loops (exact) or unrolled with two
+    # accumulators, each chunk's GEMM under the previous chunk's atomics (atomic: overlap)
+    n_sites = 9 if mode == "atomic" else 4
+    assert len(sites) == n_sites and branch < w0 < sites[0] < sites[1] < w1 < sites[2], sites
     assert "__shfl_xor_sync((uint)4294967295, condval" in src  # the lane exchange
     # each warpgroup's copies come from its own accumulator (one fragment for both once made
     # TileLang drop one warpgroup's loops)
-    copies = set(re.findall(r"(w[01])_[ab][01]\[\w+\] = (acc_w[01])\[", src))
-    assert copies == {("w0", "acc_w0"), ("w1", "acc_w1")}, copies
+    copies = set(re.findall(r"(w[01])_[ab][01]\[\w+\] = (acc_w[01]b?)\[", src))
+    want = {("w0", "acc_w0"), ("w1", "acc_w1")} | ({("w1", "acc_w1b")} if mode == "atomic" else set())
+    assert copies == want, copies
     assert "__syncthreads()" not in src[branch:]
+    # warpgroup 0's four warps write P / dS and then read all their rows in the dQ GEMM: only
+    # TileLang's 128-thread barrier (id 3, warpgroup 0's own) orders that
+    wg1 = src.index("pds_full[0].wait(")
+    ds_store = src.rindex("dS_s)[", 0, src.index("pds_full[0].arrive()"))
+    dq_gemm = src.index("(bfloat16_t*)dS_s)[0]", ds_store)
+    assert "__sync_thread_partial(3, 128)" in src[ds_store:dq_gemm]
+    assert "__sync_thread_partial(3, 128)" not in src[wg1:]
     if mode == "exact":
         # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for,
         # combined; then one int64 add and one max per slot

@@ -43,4 +43,5 @@ def test_key_blocks_divide_index_pad():
     for m in (16, 32, 64):
         assert tiling.INDEX_PAD % tiling.bwd_key_block(m) == 0
     assert tiling.INDEX_PAD % tiling.FWD_KEY_BLOCK == 0
+    assert tiling.INDEX_PAD % 64 == 0  # the 64-head first pass's blocks (NB = L // 64)
     assert [tiling.padded_topk(L) for L in (1, 64, 65, 100, 2048)] == [64, 64, 128, 128, 2048]

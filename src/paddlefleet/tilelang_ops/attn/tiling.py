@@ -36,8 +36,10 @@ MAX_HEADS_PER_CTA = 64
 #: Key block of the forward (slots per online-softmax step) and of the backward.
 FWD_KEY_BLOCK = 64
 BWD_KEY_BLOCK = 32
-#: (the backward uses 64 for a 16-head tile: see :func:`bwd_key_block`)
-#: ``L`` is padded with ``-1`` to a multiple of this (both key blocks divide it).
+#: (the backward uses 64 for a 16-head tile: see :func:`bwd_key_block`; the 64-head first pass,
+#: ``sparse_bwd._two_warpgroups``, walks 64-key blocks of its own)
+#: ``L`` is padded with ``-1`` to a multiple of this (every key block divides it; the 64-key
+#: kernels would drop a remainder).
 INDEX_PAD = 64
 #: (Dk, Dv) pairs the kernels are built and tested for (absorbed MLA: 512 latent + 64 rope).
 SUPPORTED_DIMS = ((576, 512),)

@@ -115,7 +115,7 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
          dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
-         wg0_chunks: int = 2):
+         wg0_chunks: int = 2, overlap: bool | None = None):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -168,7 +168,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     if warp_specialized is None:  # measured faster for 64-head tiles (run 29)
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
-        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks)
+        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap)
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -254,7 +254,6 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
             inv_grid = T.alloc_shared([BK], acc_t)
             u_stage = T.alloc_shared([BK], acc_t)
-            u_w0 = T.alloc_shared([2, BK], acc_t)  # warpgroup 0's slot maxima, row k % 2
             valid = T.alloc_fragment([BK], "bool")
 
             acc_p = T.alloc_fragment([M, BK], acc_t)
@@ -366,7 +365,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 
 
-def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chunks: int = 2):
+def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chunks: int = 2,
+                    overlap: bool | None = None):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -377,9 +377,12 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
       ``dS K_t``; then it gathers block ``i + 1`` (the left half of the latent columns at once:
       only it reads them; the right half and the rope tail once warpgroup 1 has added its part
       of dQ, ``kv_free``) and, under the gather's latency, adds block ``i``'s last
-      ``wg0_chunks`` dKV chunks (the rope tail, then the right half's last).
+      ``wg0_chunks`` dKV chunks (the right half's last if 2, then the rope tail).
     * warpgroup 1 (dKV): ``dQ[:, Dv/2:] += dS K_r``; then the block's other dKV chunks, each
-      ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).
+      ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).  With ``overlap`` (the
+      default in the atomic mode) it holds two accumulators and issues chunk ``c + 1``'s GEMMs
+      before it adds chunk ``c``, so that its atomics run under the tensor cores (the exact
+      mode spills with two accumulators: one there).
 
     Each chunk is added into ``dKV_acc`` from the wgmma accumulator with 16-byte atomics after a
     lane exchange (:func:`scatter_chunk` inside), no staging in shared memory; the exact mode
@@ -392,14 +395,21 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
     memory holds one 64-key block (Q, dO, K: 208 KB; P and dS: 16 KB), so block ``i + 1``'s
     gather waits until block ``i``'s K is read.
 
-    mbarriers (each completes once per block, waited on with parity ``i & 1``): ``kl_full`` /
-    ``kr_full`` (the gather's two parts landed), ``kv_free`` (warpgroup 1 done with K_r),
-    ``pds_full`` (P, dS written), ``pds_free`` (warpgroup 1 done reading them), ``u_ready``
-    (exact mode: warpgroup 0's slot maxima written).
+    mbarriers, each completing once per block: ``kl_full`` / ``kr_full`` (the gather's two parts
+    landed), ``kv_free`` (warpgroup 1 done with K_r), ``pds_full`` (P, dS written), ``pds_free``
+    (warpgroup 1 done reading them; waited on with parity ``(i & 1) ^ 1``, i.e. not at all
+    before block 0), ``u_ready`` (exact mode with ``wg0_chunks > 0``: warpgroup 0's slot maxima
+    written); the others are waited on with parity ``i & 1``.  No waiter may fall two phases
+    behind: warpgroup 0 waits for ``kv_free`` in every block, the last included, which holds it
+    back until warpgroup 1 has read the previous block's ``u_w0`` (a review found that a
+    conditional wait let ``u_ready`` run ahead in the last block).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     assert wg0_chunks in (0, 1, 2)
     exact = mode == "exact"
+    if overlap is None:  # sixth session: the exact mode spills with two accumulators
+        overlap = not exact
+    assert not (overlap and wg0_chunks == 0), "the overlapped chunk list leaves the tail to wg 0"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -520,6 +530,36 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
             scatter_chunk(acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i,
                           col0 + (c0 + c) * CW, t)
 
+    def w1_chunk_list(Q_l, dO_l, Q_r, dO_r):
+        # warpgroup 1's chunks in order: (half tile Q, half tile dO, chunk in the half, column)
+        return ([(Q_l, dO_l, c, c * CW) for c in range(DH // CW)]
+                + [(Q_r, dO_r, c, DH + c * CW) for c in range(DH // CW - wg0_chunks + 1)])
+
+    @T.macro
+    def issue_chunk(Q_h, dO_h, c, P_s, dS_s, acc):
+        T.wgmma_gemm(dS_s, Q_h[:, c * CW:(c + 1) * CW], acc, transpose_A=True, clear_accum=True)
+        T.wgmma_gemm(P_s, dO_h[:, c * CW:(c + 1) * CW], acc, transpose_A=True)
+
+    @T.macro
+    def dkv_chunks_overlapped(chunks, i, P_s, dS_s, acc_a, acc_b, a0, a1, b0, b1, r4, slot,
+                              inv_l, u_l, dKV_acc, b_i, t, pds_free):
+        # chunks[i:] with chunk i's GEMMs issued into acc_a: chunk i + 1's GEMMs go into acc_b
+        # (two accumulators) and run while chunk i is added, so that the atomics overlap the
+        # tensor cores.  chunks: (half tile Q, half tile dO, chunk in the half, column).
+        # Unrolled by recursion while tracing (a Python loop over the list does not trace in
+        # tilelang-paddle 0.1.13)
+        if i + 1 < len(chunks):
+            issue_chunk(chunks[i + 1][0], chunks[i + 1][1], chunks[i + 1][2], P_s, dS_s, acc_b)
+            T.wait_wgmma(2)  # chunk i's two GEMMs done, chunk i + 1's in flight
+        else:
+            T.wait_wgmma(0)
+            T.barrier_arrive(pds_free[0])  # the last read of P / dS
+        T.warpgroup_fence_operand(acc_a, num_regs=BK * CW // WG)
+        scatter_chunk(acc_a, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3], t)
+        if i + 1 < len(chunks):
+            dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, a0, a1, b0, b1, r4,
+                                  slot, inv_l, u_l, dKV_acc, b_i, t, pds_free)
+
     @T.prim_func
     def sparse_bwd_two_wg(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -573,6 +613,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
             w0_b0 = T.alloc_fragment([BK, CW // 2], acc_t)
             w0_b1 = T.alloc_fragment([BK, CW // 2], acc_t)
             acc_w1 = T.alloc_fragment([BK, CW], acc_t)
+            acc_w1b = T.alloc_fragment([BK, CW], acc_t)  # overlap: the second accumulator
+            w1_chunks = w1_chunk_list(Q_l, dO_l, Q_r, dO_r)
             w1_a0 = T.alloc_fragment([BK, CW // 2], acc_t)
             w1_a1 = T.alloc_fragment([BK, CW // 2], acc_t)
             w1_b0 = T.alloc_fragment([BK, CW // 2], acc_t)
@@ -631,7 +673,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
                     T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
                     if k + 1 < NB:
                         gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx)
-                        T.barrier_wait(kv_free[0], k & 1)
+                    # also in the last block: it keeps u_ready from running two phases ahead of
+                    # warpgroup 1 (which arrives pds_free before it waits for u_ready)
+                    T.barrier_wait(kv_free[0], k & 1)
+                    if k + 1 < NB:
                         gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
                                      k + 1, tx)
                     if wg0_chunks > 0:
@@ -661,9 +706,17 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
                     T.gemm(dS_s, K_r, acc_dq_r)
                     T.barrier_arrive(kv_free[0])
                     own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t)
-                    dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4, slot,
-                               inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0, t)
-                    if wg0_chunks == 0:
+                    if overlap:
+                        issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
+                        dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_a0,
+                                              w1_a1, w1_b0, w1_b1, r4, slot, inv_l, u_l, dKV_acc,
+                                              b_i, t, pds_free)
+                    else:
+                        dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
+                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0, t)
+                    if overlap:
+                        pass
+                    elif wg0_chunks == 0:
                         dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
                                    slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH, t)
                         T.gemm(dS_s, Q_t, acc_w1, transpose_A=True, clear_accum=True)
