@@ -159,8 +159,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
     forms are wgmma.)  ``warp_specialized`` (default: 64-head tiles) builds the 64-head first pass
     as :func:`_two_warpgroups` instead (two warpgroups with different roles, 64-key blocks); the
-    other knobs then do not apply, and ``wg0_chunks`` (0, 1 or 2) is how many of each block's
-    nine dKV chunks its scores warpgroup adds (docs/performance.md, sixth session: 2).
+    other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2) is how many of each block's nine
+    dKV chunks its scores warpgroup adds, and ``overlap`` (default: the atomic mode only) gives
+    the dKV warpgroup two accumulators (docs/performance.md, sixth session).
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -476,8 +477,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
         # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
         # Thread t holds columns 8g + 2 (t % 4) + {0, 1} of rows r = 16 (t // 32) + (t % 32) // 4
         # and r + 8; lanes t and t ^ 1 swap halves so that the even lane holds 4 adjacent
-        # columns of row r and the odd lane of row r + 8 (slot_row).  8-byte atomics straight
-        # from the pairs were twice the L2 operations: ~5 ms of the atomic call at `ref`.
+        # columns of row r and the odd lane of row r + 8 (slot_row): half the atomic
+        # instructions of 8-byte ones from the pairs (the L2's sector work is the same, ~5 ms at
+        # `ref` either way; the exchange paid off through the exact mode's per-lane maxima).
         # TileLang takes one index per fragment in a parallel loop: the pairs' even and odd
         # columns and the other half row as copies (register renames after ptxas)
         for j, d2 in T.Parallel(BK, CW // 2):
