@@ -716,21 +716,19 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
                     else:
                         dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
                                    slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0, t)
-                    if overlap:
-                        pass
-                    elif wg0_chunks == 0:
-                        dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
-                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH, t)
-                        T.gemm(dS_s, Q_t, acc_w1, transpose_A=True, clear_accum=True)
-                        # the last read of P / dS: warpgroup 0 may write block k + 1's
-                        T.barrier_arrive(pds_free[0])
-                        scatter_chunk(acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4, slot, inv_l, u_l,
-                                      dKV_acc, b_i, D, t)
-                    else:
-                        dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
-                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW - wg0_chunks + 1,
-                                   DH, t)
-                        T.barrier_arrive(pds_free[0])
+                        if wg0_chunks == 0:
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1,
+                                       r4, slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH, t)
+                            T.gemm(dS_s, Q_t, acc_w1, transpose_A=True, clear_accum=True)
+                            # the last read of P / dS: warpgroup 0 may write block k + 1's
+                            T.barrier_arrive(pds_free[0])
+                            scatter_chunk(acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4, slot, inv_l,
+                                          u_l, dKV_acc, b_i, D, t)
+                        else:
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1,
+                                       r4, slot, inv_l, u_l, dKV_acc, b_i, 0,
+                                       DH // CW - wg0_chunks + 1, DH, t)
+                            T.barrier_arrive(pds_free[0])
                     if exact:
                         slot_max(u_l)
                         if wg0_chunks > 0:
