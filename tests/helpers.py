@@ -224,7 +224,7 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 class CpuStandIn:
-    """CPU stand-ins of the three kernels (fwd, preprocess, main): their math, in numpy.
+    """CPU stand-ins of the four kernels (fwd, preprocess, main, finish): their math, in numpy.
 
     A provider for ``attn/interface.py`` (``device = "cpu"``).  Each launcher checks that it is
     handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and processes
@@ -315,6 +315,14 @@ class CpuStandIn:
                 for b in range(B):
                     rerun[b, I[b][valid[b]]] = True
                 self.rerun_bounds.append(int((BOUND - before)[rerun].max(initial=0)))
+
+    def bwd_finish(self, m, scaled, acc, inv_grid, dkv):
+        # the stand-in keeps the accumulator's columns in their real order
+        self.calls.append(("finish", m, scaled))
+        ACC = to_numpy(acc).astype(np.float64)
+        if scaled:
+            ACC = ACC / to_numpy(inv_grid).astype(np.float64)[..., None]
+        _write(dkv, ACC.astype(np.float32))  # exact: acc times a power of two
 
 
 # --- shared inputs ------------------------------------------------------------------------------

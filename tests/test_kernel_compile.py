@@ -141,26 +141,40 @@ def test_compiled_kernel_has_the_merge_off(name, args):
 @pytest.mark.parametrize("mode", ["exact", "atomic"])
 def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     """The 64-head first pass adds each 64-column dKV chunk from the accumulator of the
-    warpgroup that computed it (warpgroup 0: the right half's last chunk and the rope tail;
-    warpgroup 1: the left half's loop and the right half's), after the lane exchange, with the
-    16-byte atomics; a dropped or
-    misplaced scatter leaves a wrong dKV and no error.  The two warpgroups synchronise through
-    mbarriers and 128-thread named barriers only: a CTA-wide barrier inside one warpgroup's
-    branch would hang."""
+    warpgroup that computed it (exact mode: warpgroup 0 the right half's last chunk and the rope
+    tail, warpgroup 1 the left half's loop and the right half's; atomic mode: warpgroup 1 all
+    nine, ``wg0_chunks`` of ``sparse_bwd.main``), each thread's fragment as it is
+    (no lane exchange) at the permuted columns of ``tiling.dkv_column``, with the 16-byte
+    atomics; a dropped or misplaced scatter leaves a wrong dKV and no error.  The two
+    warpgroups synchronise through mbarriers and 128-thread named barriers only: a CTA-wide
+    barrier inside one warpgroup's branch would hang."""
     src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
     branch = src.index("if (((int)threadIdx.x) < 128)")
-    w0, w1 = (re.search(rf"{w}_a0\[\w+\] = ", src).start() for w in ("w0", "w1"))
+    w1 = re.search(r"w1_e0\[\w+\] = ", src).start()
     sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[[^;]*slot\[", src)]
-    # warpgroup 0: two chunks; warpgroup 1: seven, in two loops (exact) or unrolled with two
-    # accumulators, each chunk's GEMM under the previous chunk's atomics (atomic: overlap)
-    n_sites = 9 if mode == "atomic" else 4
-    assert len(sites) == n_sites and branch < w0 < sites[0] < sites[1] < w1 < sites[2], sites
-    assert "__shfl_xor_sync((uint)4294967295, condval" in src  # the lane exchange
-    # each warpgroup's copies come from its own accumulator (one fragment for both once made
-    # TileLang drop one warpgroup's loops)
-    copies = set(re.findall(r"(w[01])_[ab][01]\[\w+\] = (acc_w[01]b?)\[", src))
-    want = {("w0", "acc_w0"), ("w1", "acc_w1")} | ({("w1", "acc_w1b")} if mode == "atomic" else set())
-    assert copies == want, copies
+    if mode == "exact":
+        # warpgroup 0: two chunks (the right half's last, the rope tail); warpgroup 1: seven,
+        # in two loops
+        w0 = re.search(r"w0_e0\[\w+\] = ", src).start()
+        assert len(sites) == 4 and branch < w0 < sites[0] < sites[1] < w1 < sites[2], sites
+    else:
+        # warpgroup 1 adds all nine: the two halves' loops and the rope tail
+        assert "w0_e0[" not in src
+        assert len(sites) == 3 and branch < w1 < sites[0], sites
+    # each lane adds its own float4 at 16 c + 4 (lane % 4): no values cross lanes
+    assert "__shfl_xor_sync((uint)4294967295, condval" not in src and all(
+        "((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)4)" in src[i:src.index(";", i)]
+        for i in sites)
+    # the four copies are the wgmma fragment's columns 2 q + {0, 1, 8, 9} of each 16 (local
+    # indices 8 c + 2 h + {0, 1, 4, 5}), each warpgroup's from its own accumulator (one fragment
+    # for both once made TileLang drop one warpgroup's loops)
+    copies = set(re.findall(r"(w[01])_e([0-3])\[(\w+)\] = (acc_w[01]b?)\[\(?\(\(\(\3 & 3\) \* 8\) "
+                            r"\+ \(\(\3 >> 2\) \* 2\)\)( \+ [145]\))?\]", src))
+    got = {(w, e, acc, off) for w, e, _, acc, off in copies}
+    offs = {"0": "", "1": " + 1)", "2": " + 4)", "3": " + 5)"}
+    pairs = (("w0", "acc_w0"), ("w1", "acc_w1")) if mode == "exact" else (("w1", "acc_w1"),)
+    want = {(w, e, acc, offs[e]) for w, acc in pairs for e in "0123"}
+    assert got == want, sorted(got ^ want)
     assert "__syncthreads()" not in src[branch:]
     # warpgroup 0's four warps write P / dS and then read all their rows in the dQ GEMM: only
     # TileLang's 128-thread barrier (id 3, warpgroup 0's own) orders that
@@ -170,11 +184,15 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     assert "__sync_thread_partial(3, 128)" in src[ds_store:dq_gemm]
     assert "__sync_thread_partial(3, 128)" not in src[wg1:]
     if mode == "exact":
-        # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for,
-        # combined; then one int64 add and one max per slot
-        assert re.search(r"\(\(float\*\)u_w0\)\[[^\n]*\] = u_l\[0\]", src)
+        # each slot's maximum over its row's four lanes; warpgroup 0's slot maxima reach
+        # warpgroup 1's bound: stored, signalled, waited for, combined; then one int64 add and
+        # one max per slot
+        for lane in (1, 2):
+            assert len(re.findall(rf"u_l\[(\w+)\] = max\(u_l\[\1\], __shfl_xor_sync\("
+                                  rf"\(uint\)4294967295, u_l\[\1\], {lane}, 32\)\)", src)) == 2
+        assert re.search(r"\(\(float\*\)u_w0\)\[[^\n]*\] = u_l\[\w+\];", src)
         assert "u_ready[0].arrive()" in src and "u_ready[0].wait(" in src
-        assert re.search(r"u_l\[0\] = max\(u_l\[0\], \(\(float\*\)u_w0\)", src)
+        assert re.search(r"u_l\[(\w+)\] = max\(u_l\[\1\], \(\(float\*\)u_w0\)", src)
         assert "AtomicAdd((&(Bound[" in src and "AtomicMax((&(BoundExp[" in src
 
 

@@ -122,6 +122,11 @@ if cuda_available():
 
             self._run(launch, outs)
 
+        def bwd_finish(self, m, scaled, acc, inv_grid, dkv):
+            self._run(lambda v: super(GuardedKernels, self).bwd_finish(m, scaled, acc, inv_grid,
+                                                                       *v),
+                      [("dkv", dkv, True)])
+
 
 def _inputs(case, seed):
     B, S, S_kv, H, L = case["B"], case["S"], case["S_kv"], case["H"], case["L"]
@@ -481,8 +486,8 @@ def test_new_shapes_do_not_recompile():
                                                      provider=prov)
         ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
         assert rel_l2(dq.float(), ref_dq) < TOL and rel_l2(dkv.float(), ref_dkv) < TOL
-    assert sorted({k[0] for k in prov._kernels}) == ["bwd_main", "bwd_pre", "fwd"]
-    assert len(prov._kernels) == 4  # fwd, pre, main exact with dq and its re-run
+    assert sorted({k[0] for k in prov._kernels}) == ["bwd_finish", "bwd_main", "bwd_pre", "fwd"]
+    assert len(prov._kernels) == 5  # fwd, pre, main exact with dq and its re-run, finish
 
 
 def test_bad_inputs_raise():

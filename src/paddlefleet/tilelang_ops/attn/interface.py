@@ -59,9 +59,12 @@ _GRID_EXP_RANGE = (-100, 100)
 class TileLangKernels:
     """Default provider: launches the TileLang kernels (CUDA tensors of either framework).
 
-    A provider has ``device`` (the device kind its tensors must be on) and three launchers; each
-    fills its output arguments in place.  Compiled kernels are cached by TileLang per static
-    specialisation (head tile, Dk, Dv, dKV mode, dQ on/off); shapes are dynamic.
+    A provider has ``device`` (the device kind its tensors must be on) and four launchers; each
+    fills its output arguments in place.  The column order of the fp32 dKV accumulator between
+    ``bwd_main`` and ``bwd_finish`` is the provider's own (these kernels permute the 64-head
+    tiles', ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the real order.
+    Compiled kernels are cached by TileLang per static specialisation (head tile, Dk, Dv, dKV
+    mode, dQ on/off); shapes are dynamic.
     """
 
     device = "cuda"
@@ -93,6 +96,12 @@ class TileLangKernels:
                                         int(grad_out.shape[-1]))
         self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq,
                           dkv_acc, bound, bound_exp)
+
+    def bwd_finish(self, heads_per_cta, scaled, dkv_acc, inv_grid, dkv):
+        from .kernels import finish_args
+
+        key = ("bwd_finish",) + finish_args(heads_per_cta, scaled, int(dkv_acc.shape[-1]))
+        self._kernel(key)(dkv_acc, inv_grid, dkv)
 
 
 _DEFAULT_PROVIDER = TileLangKernels()
@@ -198,7 +207,9 @@ def _grid_estimate(ops, q, grad_out, kv, valid, flat_idx, sm_scale):
 
 def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, grad_out,
                sm_scale):
-    """Deterministic dKV (fp32 ``[B, S_kv, Dk]``) and dq, exact on per-key grids.
+    """Deterministic dKV and dq, exact on per-key grids: returns ``(acc, inv_grid)``, the
+    accumulator (fp32 ``[B, S_kv, Dk]``, in grid units, the provider's column order) and the
+    inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).
 
     Pass 1 (``main``, exact mode, with dq): every contribution ``c`` to key ``j`` becomes the
     integer ``k = round(c / g_j)`` and is added in fp32; the kernel also sums exactly, in int64,
@@ -222,7 +233,6 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     valid = idx >= 0
     flat_idx = ops.reshape(ops.where(valid, idx, ops.zeros((1,), "int32", idx)), (b, s * l))
     e = _grid_estimate(ops, query, grad_out, kv, valid, flat_idx, sm_scale)  # real heads only
-    one = ops.full((1,), 1.0, "float32", q)
     inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
@@ -263,7 +273,7 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     counts = ops.cast(ops.sum(ops.cast(rerun, "int32"), axis=-1), "int32")
     provider.bwd_main(plan.heads_per_cta, "exact", False, q, kv, do, idx2, lse2, delta, scale,
                       inv_grid, counts, dq, acc, bound, bound_exp)
-    return acc * ops.reshape(one / inv_grid, (b, s_kv, 1))
+    return acc, inv_grid
 
 
 def mqa_latent_sparse_fwd(
@@ -423,18 +433,20 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     if deterministic:
-        dkv32 = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p, scale, dq,
-                           ops.contiguous(query), do_c, sm_scale)
+        acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
+                                   scale, dq, ops.contiguous(query), do_c, sm_scale)
     else:
-        dkv32 = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
-        unused = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
+        acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
+        inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
         provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
-                          delta_p, scale, unused, ops.empty((B, S), "int32", q), dq, dkv32,
+                          delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
                           ops.empty((B, dims.S_kv), "int64", q),
                           ops.empty((B, dims.S_kv), "int32", q))
-    # queued behind the main kernel: its host time overlaps the kernel
+    dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
+    provider.bwd_finish(plan.heads_per_cta, deterministic, acc, inv_grid, dkv)
+    # queued behind the kernels: its host time overlaps them
     d_sink = _d_sink(ops, attn_sink, lse2, delta)
-    return _slice_heads(ops, dq, H), ops.cast(dkv32, "bfloat16"), d_sink
+    return _slice_heads(ops, dq, H), dkv, d_sink
 
 
 # --- the wrappers' input checks, run once per call --------------------------------------------

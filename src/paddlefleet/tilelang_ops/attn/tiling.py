@@ -28,6 +28,9 @@ __all__ = [
     "SUPPORTED_DIMS",
     "check_head_dims",
     "bwd_key_block",
+    "dkv_columns_permuted",
+    "dkv_column",
+    "dkv_source_column",
 ]
 
 #: Largest head tile of one CTA: fp32 dQ ``[64, 576]`` plus dKV ``[32, 576]`` fragments already
@@ -139,3 +142,23 @@ def check_head_dims(d_qk: int, d_v: int) -> None:
             f"query/kv: the TileLang kernels take (Dk, Dv) in {list(SUPPORTED_DIMS)}, got "
             f"Dk={d_qk}, Dv={d_v}"
         )
+
+
+def dkv_columns_permuted(heads_per_cta: int) -> bool:
+    """Whether the dKV accumulator of this head tile holds its columns in the order of
+    :func:`dkv_column`: the 64-head tiles' (the two-warpgroup first pass adds each thread's
+    wgmma accumulator fragment as it is, and the one-role kernel, their re-run, follows it)."""
+    return heads_per_cta == 64
+
+
+def dkv_column(c):
+    """Where real column ``c`` of a key's dKV sits in a permuted accumulator row (int or TIR
+    expression).  Within every 16 columns, the wgmma accumulator gives a thread columns
+    ``2 q + {0, 1, 8, 9}`` (``q`` = lane % 4) of a row; they go to ``4 q + {0, 1, 2, 3}``, so
+    that each lane adds one float4 and the four lanes of a row 64 contiguous bytes."""
+    return (c // 16) * 16 + ((c % 8) // 2) * 4 + ((c % 16) // 8) * 2 + c % 2
+
+
+def dkv_source_column(p):
+    """The inverse of :func:`dkv_column`: the real column held at position ``p``."""
+    return (p // 16) * 16 + ((p % 16) // 4) * 2 + ((p % 4) // 2) * 8 + p % 2

@@ -3,7 +3,9 @@
 * ``sparse_fwd.sparse_fwd``: the forward (online softmax over top-k key blocks, sink folded in);
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
-  ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise).
+  ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
+  -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
+  undone, the exact mode's grids applied).
 * ``async_copy``: the 16-byte ``cp.async`` macros (query tile, key-block gather) that both
   warp-specialised kernels share.
 
@@ -24,7 +26,7 @@ def builders() -> dict:
     from . import sparse_bwd, sparse_fwd
 
     return {"fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
-            "bwd_main": sparse_bwd.main}
+            "bwd_main": sparse_bwd.main, "bwd_finish": sparse_bwd.finish}
 
 
 def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V):
@@ -34,6 +36,13 @@ def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_
     return (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
 
 
+def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
+    """Static arguments of ``sparse_bwd.finish`` for the accumulator of one head tile."""
+    from ..tiling import dkv_columns_permuted
+
+    return (d_qk, dkv_columns_permuted(heads_per_cta), bool(scaled))
+
+
 def specs(heads=HEAD_TILES) -> list:
     """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given."""
     out = [("bwd_pre", (D_V,))]
@@ -41,6 +50,9 @@ def specs(heads=HEAD_TILES) -> list:
         out.append(("fwd", (m, D_QK, D_V)))
         for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):
             out.append(("bwd_main", main_args(m, mode, with_dq)))
+        for scaled in (True, False):
+            if ("bwd_finish", finish_args(m, scaled)) not in out:
+                out.append(("bwd_finish", finish_args(m, scaled)))
     return out
 
 

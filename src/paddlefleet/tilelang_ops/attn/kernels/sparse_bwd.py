@@ -28,14 +28,17 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 """
 
 from ... import settings
+from ..tiling import dkv_column, dkv_columns_permuted, dkv_source_column
 from .async_copy import load_head_tile
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["preprocess", "main"]
+__all__ = ["preprocess", "main", "finish"]
 
 LOG2E = 1.4426950408889634
+
+
 # exact mode: u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum
 # exactly in int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
 U_CLAMP = float(2**40)
@@ -112,10 +115,40 @@ def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int 
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def finish(d_qk: int, permuted: bool, scaled: bool, block_rows: int = 8, threads: int = 128):
+    """``dKV [B, S_kv, Dk] bf16`` from the main kernel's fp32 accumulator ``Acc [B, S_kv,
+    Dk]``: column ``c`` read at :func:`dkv_column` ``(c)`` when ``permuted``, times the key's grid
+    ``g_j = 1 / InvGrid[b, j]`` when ``scaled`` (the exact mode: an exact division by a power of
+    two), rounded to bf16.  ``InvGrid [B, S_kv] fp32`` is not read unless ``scaled``."""
+    B = T.dynamic("B")
+    S_kv = T.dynamic("S_kv")
+    R = block_rows
+    col_of = dkv_column if permuted else (lambda c: c)
+
+    @T.prim_func
+    def sparse_bwd_finish(
+        Acc: T.Tensor([B, S_kv, d_qk], "float32"),
+        InvGrid: T.Tensor([B, S_kv], "float32"),
+        dKV: T.Tensor([B, S_kv, d_qk], "bfloat16"),
+    ):
+        with T.Kernel(T.ceildiv(S_kv, R), B, threads=threads) as (r_blk, b_i):
+            for r, c in T.Parallel(R, d_qk):
+                row = r_blk * R + r
+                if row < S_kv:
+                    if scaled:
+                        dKV[b_i, row, c] = T.Cast("bfloat16",
+                                                  Acc[b_i, row, col_of(c)] / InvGrid[b_i, row])
+                    else:
+                        dKV[b_i, row, c] = T.Cast("bfloat16", Acc[b_i, row, col_of(c)])
+
+    return sparse_bwd_finish
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
          dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
-         wg0_chunks: int = 2, overlap: bool | None = None):
+         wg0_chunks: int | None = None, overlap: bool = False):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -159,9 +192,10 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
     forms are wgmma.)  ``warp_specialized`` (default: 64-head tiles) builds the 64-head first pass
     as :func:`_two_warpgroups` instead (two warpgroups with different roles, 64-key blocks); the
-    other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2) is how many of each block's nine
-    dKV chunks its scores warpgroup adds, and ``overlap`` (default: the atomic mode only) gives
-    the dKV warpgroup two accumulators (docs/performance.md, sixth session).
+    other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2; default 2 in the exact mode, 0 in
+    the atomic mode) is how many of each block's nine dKV chunks its scores warpgroup adds, and
+    ``overlap`` gives the dKV warpgroup two accumulators (docs/performance.md, sixth and seventh
+    sessions).
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -208,20 +242,30 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             for j, d in T.Parallel(BK, width):
                 stage[j, d] = acc[j, d]
 
+    permuted = dkv_columns_permuted(M)
+    src_of = dkv_source_column if permuted else (lambda p: p)
+
     @T.macro
     def scatter4(u_cols, r4, stage, inv_grid, dkv_acc, b_i, idx, col, j, d4):
         # one float4 of staged row j.  Exact mode: in grid units (c / g_j: exact, g_j a power
         # of two), the running max |c / g| taken before the rounding (so a grid too coarse
         # still shows the size), then the rounding, into registers: rounded in place, the
         # atomic's read of the staging row needed two CTA barriers per row (TileLang cannot
-        # see that each thread reads only what it wrote)
+        # see that each thread reads only what it wrote).  A permuted accumulator
+        # (dkv_columns_permuted: 64-head tiles) takes at d4 * 4 + t the staged column
+        # dkv_source_column(d4 * 4 + t)
         if exact:
             for t in T.serial(4):
-                r4[t] = stage[j, d4 * 4 + t] * inv_grid[j]
+                r4[t] = stage[j, src_of(d4 * 4 + t)] * inv_grid[j]
             u_cols[j, d4] = T.max(u_cols[j, d4], T.max(T.max(T.abs(r4[0]), T.abs(r4[1])),
                                                        T.max(T.abs(r4[2]), T.abs(r4[3]))))
             for t in T.serial(4):
                 r4[t] = T.round(r4[t])
+            if idx >= 0:
+                T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], r4[0])
+        elif permuted:
+            for t in T.serial(4):
+                r4[t] = stage[j, src_of(d4 * 4 + t)]
             if idx >= 0:
                 T.atomic_addx4(dkv_acc[b_i, idx, col + d4 * 4], r4[0])
         elif idx >= 0:
@@ -366,8 +410,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 
 
-def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chunks: int = 2,
-                    overlap: bool | None = None):
+def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
+                    wg0_chunks: int | None = None, overlap: bool = False):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -380,15 +424,18 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
       of dQ, ``kv_free``) and, under the gather's latency, adds block ``i``'s last
       ``wg0_chunks`` dKV chunks (the right half's last if 2, then the rope tail).
     * warpgroup 1 (dKV): ``dQ[:, Dv/2:] += dS K_r``; then the block's other dKV chunks, each
-      ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).  With ``overlap`` (the
-      default in the atomic mode) it holds two accumulators and issues chunk ``c + 1``'s GEMMs
-      before it adds chunk ``c``, so that its atomics run under the tensor cores (the exact
-      mode spills with two accumulators: one there).
+      ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).  With ``overlap`` it
+      holds two accumulators and issues chunk ``c + 1``'s GEMMs before it adds chunk ``c``
+      (measured slower in both modes once the lane exchange was gone, run 38; a knob for
+      trials).
 
-    Each chunk is added into ``dKV_acc`` from the wgmma accumulator with 16-byte atomics after a
-    lane exchange (:func:`scatter_chunk` inside), no staging in shared memory; the exact mode
-    scales, takes each slot's maximum and rounds in registers, and warpgroup 0 hands its
-    chunks' maxima to warpgroup 1 (``u_w0``, ``u_ready``), which adds each key's bound once.
+    ``wg0_chunks`` defaults to 2 in the exact mode (warpgroup 1 is the longer path there: it
+    also rounds) and to 0 in the atomic mode (run 38: -8% at ``ref``).  Each chunk is added into
+    ``dKV_acc`` from the wgmma accumulator as it is, with 16-byte atomics at the permuted
+    columns of ``tiling.dkv_column`` (:func:`scatter_chunk` inside), no staging in shared memory
+    and no lane exchange; the exact mode scales, takes each slot's maximum and rounds in
+    registers, and warpgroup 0 hands its chunks' maxima to warpgroup 1 (``u_w0``, ``u_ready``),
+    which adds each key's bound once.
 
     Why: with 32-key blocks the dKV GEMM has ``M = 32`` (too few rows for a row-major wgmma), so
     it ran transposed through fp32 staging rows in shared memory, and every 32-key GEMM re-read
@@ -406,11 +453,13 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
     conditional wait let ``u_ready`` run ahead in the last block).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
-    assert wg0_chunks in (0, 1, 2)
     exact = mode == "exact"
-    if overlap is None:  # sixth session: the exact mode spills with two accumulators
-        overlap = not exact
-    assert not (overlap and wg0_chunks == 0), "the overlapped chunk list leaves the tail to wg 0"
+    if wg0_chunks is None:  # run 38, docs/performance.md
+        wg0_chunks = 2 if exact else 0
+    assert wg0_chunks in (0, 1, 2)
+    # with no chunk on warpgroup 0 the overlapped list would end in the rope tail, a case that
+    # gave a wrong dKV (run 38) and was slower anyway
+    assert not (overlap and wg0_chunks == 0), "overlap needs the rope tail on warpgroup 0"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -429,9 +478,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
     H_pad = T.dynamic("H_pad")
 
     def slot_row(t):
-        # the accumulator row (slot of the key block) thread t of a warpgroup adds, see
-        # scatter_chunk
-        return (t // 32) * 16 + (t % 32) // 4 + 8 * (t % 2)
+        # the first of the two accumulator rows (slots of the key block) thread t of a warpgroup
+        # adds, see scatter_chunk; the other is slot_row(t) + 8
+        return (t // 32) * 16 + (t % 32) // 4
 
     @T.macro
     def gather_cols(KV, Indices, dst, col0, b_i, s_i, k, t):
@@ -466,74 +515,77 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
 
     @T.macro
     def own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t):
-        # thread t's key row in block k (slot_row), its inverse grid, a fresh running max
-        slot[0] = Indices[b_i, s_i, k * BK + slot_row(t)]
-        if exact:
-            inv_l[0] = inv[k % 2, slot_row(t)]
-            u_l[0] = 0
+        # thread t's two key rows in block k (slot_row and slot_row + 8), their inverse grids,
+        # fresh running maxima
+        for i in T.unroll(2):
+            slot[i] = Indices[b_i, s_i, k * BK + slot_row(t) + 8 * i]
+            if exact:
+                inv_l[i] = inv[k % 2, slot_row(t) + 8 * i]
+                u_l[i] = 0
 
     @T.macro
-    def scatter_chunk(acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i, col, t):
+    def scatter_chunk(acc, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
         # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
-        # Thread t holds columns 8g + 2 (t % 4) + {0, 1} of rows r = 16 (t // 32) + (t % 32) // 4
-        # and r + 8; lanes t and t ^ 1 swap halves so that the even lane holds 4 adjacent
-        # columns of row r and the odd lane of row r + 8 (slot_row): half the atomic
-        # instructions of 8-byte ones from the pairs (the L2's sector work is the same, ~5 ms at
-        # `ref` either way; the exchange paid off through the exact mode's per-lane maxima).
-        # TileLang takes one index per fragment in a parallel loop: the pairs' even and odd
-        # columns and the other half row as copies (register renames after ptxas)
-        for j, d2 in T.Parallel(BK, CW // 2):
-            a0[j, d2] = acc[j, 2 * d2]
-        for j, d2 in T.Parallel(BK, CW // 2):
-            a1[j, d2] = acc[j, 2 * d2 + 1]
-        for j, d2 in T.Parallel(BK, CW // 2):
-            b0[j, d2] = acc[(j + 8) % 16 + j // 16 * 16, 2 * d2]
-        for j, d2 in T.Parallel(BK, CW // 2):
-            b1[j, d2] = acc[(j + 8) % 16 + j // 16 * 16, 2 * d2 + 1]
-        odd = t % 2 == 1
-        for j, d2 in T.Parallel(BK, CW // 2):
-            if j % 16 < 8:  # once per pair of half rows
-                x0 = T.shfl_xor(T.if_then_else(odd, a0[j, d2], b0[j, d2]), 1)
-                x1 = T.shfl_xor(T.if_then_else(odd, a1[j, d2], b1[j, d2]), 1)
-                r4[0] = T.if_then_else(odd, x0, a0[j, d2])
-                r4[1] = T.if_then_else(odd, x1, a1[j, d2])
-                r4[2] = T.if_then_else(odd, b0[j, d2], x0)
-                r4[3] = T.if_then_else(odd, b1[j, d2], x1)
-                if exact:
-                    # in grid units (c / g_j, exact: g_j a power of two); the slot's running
-                    # max |c / g| before the rounding (a grid too coarse still shows the size)
-                    for e in T.unroll(4):
-                        r4[e] = r4[e] * inv_l[0]
-                        u_l[0] = T.max(u_l[0], T.abs(r4[e]))
-                        r4[e] = T.round(r4[e])
-                if slot[0] >= 0:
-                    T.atomic_addx4(dKV_acc[b_i, slot[0], col + 2 * d2 - 2 * (t % 2)], r4[0])
+        # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
+        # 8, 9} (c = 0 .. CW / 16 - 1): it adds them as they are, as one float4 at columns
+        # 16 c + 4 (t % 4) .. + 3 of dKV_acc (DKV_COLUMN_ORDER: a fixed permutation within every
+        # 16 columns, undone by `finish`).  No lane exchange, and the four lanes of a row write
+        # 64 contiguous bytes (cuDNN's SM90 DSA backward stores its dKV partials the same way).
+        # TileLang takes one index per fragment in a parallel loop: the four columns as copies
+        # (register renames after ptxas)
+        for j, g in T.Parallel(BK, CW // 4):
+            e0[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4)]
+        for j, g in T.Parallel(BK, CW // 4):
+            e1[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4) + 1]
+        for j, g in T.Parallel(BK, CW // 4):
+            e2[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4) + 8]
+        for j, g in T.Parallel(BK, CW // 4):
+            e3[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4) + 9]
+        for j, g in T.Parallel(BK, CW // 4):
+            i = (j % 16) // 8  # which of the thread's two rows
+            r4[0] = e0[j, g]
+            r4[1] = e1[j, g]
+            r4[2] = e2[j, g]
+            r4[3] = e3[j, g]
+            if exact:
+                # in grid units (c / g_j, exact: g_j a power of two); the slot's running max
+                # |c / g| before the rounding (a grid too coarse still shows the size)
+                for e in T.unroll(4):
+                    r4[e] = r4[e] * inv_l[i]
+                    u_l[i] = T.max(u_l[i], T.abs(r4[e]))
+                    r4[e] = T.round(r4[e])
+            if slot[i] >= 0:
+                T.atomic_addx4(dKV_acc[b_i, slot[i], col + 4 * g], r4[0])
 
     @T.macro
     def slot_max(u_l):
-        # each slot row is spread over lanes t and t ^ 2 (32 columns each)
-        u_l[0] = T.max(u_l[0], T.shfl_xor(u_l[0], 2))
+        # each slot row is spread over the four lanes t ^ {0, 1, 2, 3} (16 columns each)
+        for i in T.unroll(2):
+            u_l[i] = T.max(u_l[i], T.shfl_xor(u_l[i], 1))
+            u_l[i] = T.max(u_l[i], T.shfl_xor(u_l[i], 2))
 
     @T.macro
-    def add_slot_bound(u, slot, Bound, BoundExp, b_i, t):
-        # the exactness proof for the slot, once per row (lanes t and t ^ 2 share it)
-        if t % 4 < 2:
-            if slot[0] >= 0:
-                slot_bound(Bound, BoundExp, b_i, slot[0], u)
+    def add_slot_bound(u_l, slot, Bound, BoundExp, b_i, t):
+        # the exactness proof for the thread's two slots, once per row (by lane t % 4 == 0)
+        if t % 4 == 0:
+            for i in T.unroll(2):
+                if slot[i] >= 0:
+                    slot_bound(Bound, BoundExp, b_i, slot[i], u_l[i])
 
     @T.macro
-    def dkv_chunks(Q_h, dO_h, P_s, dS_s, acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i,
-                   c0, n, col0, t):
+    def dkv_chunks(Q_h, dO_h, P_s, dS_s, acc, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i,
+                   c0, n, col0):
         # chunks c0 .. c0 + n - 1 of one half of the latent columns (Q_h / dO_h: that half)
         for c in T.serial(n):
             T.wgmma_gemm(dS_s, Q_h[:, (c0 + c) * CW:(c0 + c + 1) * CW], acc, transpose_A=True,
                          clear_accum=True)
             T.gemm(P_s, dO_h[:, (c0 + c) * CW:(c0 + c + 1) * CW], acc, transpose_A=True)
-            scatter_chunk(acc, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i,
-                          col0 + (c0 + c) * CW, t)
+            scatter_chunk(acc, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i,
+                          col0 + (c0 + c) * CW)
 
     def w1_chunk_list(Q_l, dO_l, Q_r, dO_r):
-        # warpgroup 1's chunks in order: (half tile Q, half tile dO, chunk in the half, column)
+        # warpgroup 1's chunks in order with overlap: (half tile Q, half tile dO, chunk in the
+        # half, column)
         return ([(Q_l, dO_l, c, c * CW) for c in range(DH // CW)]
                 + [(Q_r, dO_r, c, DH + c * CW) for c in range(DH // CW - wg0_chunks + 1)])
 
@@ -543,8 +595,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
         T.wgmma_gemm(P_s, dO_h[:, c * CW:(c + 1) * CW], acc, transpose_A=True)
 
     @T.macro
-    def dkv_chunks_overlapped(chunks, i, P_s, dS_s, acc_a, acc_b, a0, a1, b0, b1, r4, slot,
-                              inv_l, u_l, dKV_acc, b_i, t, pds_free):
+    def dkv_chunks_overlapped(chunks, i, P_s, dS_s, acc_a, acc_b, e0, e1, e2, e3, r4, slot,
+                              inv_l, u_l, dKV_acc, b_i, pds_free):
         # chunks[i:] with chunk i's GEMMs issued into acc_a: chunk i + 1's GEMMs go into acc_b
         # (two accumulators) and run while chunk i is added, so that the atomics overlap the
         # tensor cores.  chunks: (half tile Q, half tile dO, chunk in the half, column).
@@ -557,10 +609,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
             T.wait_wgmma(0)
             T.barrier_arrive(pds_free[0])  # the last read of P / dS
         T.warpgroup_fence_operand(acc_a, num_regs=BK * CW // WG)
-        scatter_chunk(acc_a, a0, a1, b0, b1, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3], t)
+        scatter_chunk(acc_a, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3])
         if i + 1 < len(chunks):
-            dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, a0, a1, b0, b1, r4,
-                                  slot, inv_l, u_l, dKV_acc, b_i, t, pds_free)
+            dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, e0, e1, e2, e3, r4,
+                                  slot, inv_l, u_l, dKV_acc, b_i, pds_free)
 
     @T.prim_func
     def sparse_bwd_two_wg(
@@ -610,22 +662,23 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
             # one dKV accumulator (and its copies) per warpgroup: a fragment's layout binds it
             # to the warpgroup that uses it first
             acc_w0 = T.alloc_fragment([BK, CW], acc_t)
-            w0_a0 = T.alloc_fragment([BK, CW // 2], acc_t)
-            w0_a1 = T.alloc_fragment([BK, CW // 2], acc_t)
-            w0_b0 = T.alloc_fragment([BK, CW // 2], acc_t)
-            w0_b1 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w0_e0 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w0_e1 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w0_e2 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w0_e3 = T.alloc_fragment([BK, CW // 4], acc_t)
             acc_w1 = T.alloc_fragment([BK, CW], acc_t)
             acc_w1b = T.alloc_fragment([BK, CW], acc_t)  # overlap: the second accumulator
             w1_chunks = w1_chunk_list(Q_l, dO_l, Q_r, dO_r)
-            w1_a0 = T.alloc_fragment([BK, CW // 2], acc_t)
-            w1_a1 = T.alloc_fragment([BK, CW // 2], acc_t)
-            w1_b0 = T.alloc_fragment([BK, CW // 2], acc_t)
-            w1_b1 = T.alloc_fragment([BK, CW // 2], acc_t)
+            w1_e0 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w1_e1 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w1_e2 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w1_e3 = T.alloc_fragment([BK, CW // 4], acc_t)
             sc = T.alloc_local([2], acc_t)
             r4 = T.alloc_local([4], acc_t)
-            slot = T.alloc_local([1], "int32")
-            inv_l = T.alloc_local([1], acc_t)
-            u_l = T.alloc_local([1], acc_t)
+            # the thread's two key rows of the block (own_slot): index, inverse grid, max
+            slot = T.alloc_local([2], "int32")
+            inv_l = T.alloc_local([2], acc_t)
+            u_l = T.alloc_local([2], acc_t)
 
             tx = T.get_thread_binding()
             h0 = g_i * M
@@ -684,16 +737,16 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
                     if wg0_chunks > 0:
                         own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, tx)
                         if wg0_chunks == 2:
-                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w0, w0_a0, w0_a1, w0_b0, w0_b1,
-                                       r4, slot, inv_l, u_l, dKV_acc, b_i, DH // CW - 1, 1, DH,
-                                       tx)
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w0, w0_e0, w0_e1, w0_e2, w0_e3,
+                                       r4, slot, inv_l, u_l, dKV_acc, b_i, DH // CW - 1, 1, DH)
                         T.gemm(dS_s, Q_t, acc_w0, transpose_A=True, clear_accum=True)
-                        scatter_chunk(acc_w0, w0_a0, w0_a1, w0_b0, w0_b1, r4, slot, inv_l, u_l,
-                                      dKV_acc, b_i, D, tx)
+                        scatter_chunk(acc_w0, w0_e0, w0_e1, w0_e2, w0_e3, r4, slot, inv_l, u_l,
+                                      dKV_acc, b_i, D)
                         if exact:
                             slot_max(u_l)
-                            if tx % 4 < 2:
-                                u_w0[k % 2, slot_row(tx)] = u_l[0]
+                            if tx % 4 == 0:
+                                for i in T.unroll(2):
+                                    u_w0[k % 2, slot_row(tx) + 8 * i] = u_l[i]
                             T.barrier_arrive(u_ready[0])
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
                 T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
@@ -710,31 +763,32 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str, wg0_chun
                     own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t)
                     if overlap:
                         issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
-                        dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_a0,
-                                              w1_a1, w1_b0, w1_b1, r4, slot, inv_l, u_l, dKV_acc,
-                                              b_i, t, pds_free)
+                        dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_e0,
+                                              w1_e1, w1_e2, w1_e3, r4, slot, inv_l, u_l, dKV_acc,
+                                              b_i, pds_free)
                     else:
-                        dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4,
-                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0, t)
+                        dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_e0, w1_e1, w1_e2, w1_e3, r4,
+                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0)
                         if wg0_chunks == 0:
-                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1,
-                                       r4, slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH, t)
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e0, w1_e1, w1_e2, w1_e3,
+                                       r4, slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH)
                             T.gemm(dS_s, Q_t, acc_w1, transpose_A=True, clear_accum=True)
                             # the last read of P / dS: warpgroup 0 may write block k + 1's
                             T.barrier_arrive(pds_free[0])
-                            scatter_chunk(acc_w1, w1_a0, w1_a1, w1_b0, w1_b1, r4, slot, inv_l,
-                                          u_l, dKV_acc, b_i, D, t)
+                            scatter_chunk(acc_w1, w1_e0, w1_e1, w1_e2, w1_e3, r4, slot, inv_l,
+                                          u_l, dKV_acc, b_i, D)
                         else:
-                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_a0, w1_a1, w1_b0, w1_b1,
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e0, w1_e1, w1_e2, w1_e3,
                                        r4, slot, inv_l, u_l, dKV_acc, b_i, 0,
-                                       DH // CW - wg0_chunks + 1, DH, t)
+                                       DH // CW - wg0_chunks + 1, DH)
                             T.barrier_arrive(pds_free[0])
                     if exact:
                         slot_max(u_l)
                         if wg0_chunks > 0:
                             T.barrier_wait(u_ready[0], k & 1)
-                            u_l[0] = T.max(u_l[0], u_w0[k % 2, slot_row(t)])
-                        add_slot_bound(u_l[0], slot, Bound, BoundExp, b_i, t)
+                            for i in T.unroll(2):
+                                u_l[i] = T.max(u_l[i], u_w0[k % 2, slot_row(t) + 8 * i])
+                        add_slot_bound(u_l, slot, Bound, BoundExp, b_i, t)
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
 
     return sparse_bwd_two_wg
