@@ -18,8 +18,8 @@ Helpers:
 * ``record_calls(monkeypatch, calls, module, *names)``: log the calls of a module's functions.
 * ``to_tensor(fw, array, dtype)`` / ``to_numpy(tensor)``: numpy to a ``fw`` tensor of a
   canonical dtype (``"bfloat16"`` included) and back (bf16 widened to fp32 first).
-* ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose three launchers implement
-  each kernel's math in numpy, on CPU tensors.
+* ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose launchers implement each
+  kernel's math in numpy (they take CPU or CUDA tensors: read to the host, written back).
 * ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
 * ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
   and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
@@ -224,14 +224,17 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 class CpuStandIn:
-    """CPU stand-ins of the three kernels (fwd, preprocess, main): their math, in numpy.
+    """CPU stand-ins of the kernels (fwd, preprocess, main and the exact dKV's bookkeeping):
+    their math, in numpy.
 
-    A provider for ``attn/interface.py`` (``device = "cpu"``).  Each launcher checks that it is
-    handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and processes
-    one tile at a time, as the kernels' CTAs do; the forward reuses the reference.  ``main`` in
-    exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into ``bound``
-    as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the largest
-    bound a re-run key reached in that call alone.  ``calls`` lists every launch.
+    A provider for ``attn/interface.py`` (``device = "cpu"``).  Each attention launcher checks
+    that it is handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and
+    processes one tile at a time, as the kernels' CTAs do; the forward reuses the reference.
+    ``main`` in exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into
+    ``bound`` as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the
+    largest bound a re-run key reached in that call alone.  The ``exact_*`` launchers are the
+    formulas of ``kernels/exact_grid.py`` in fp64 numpy (sums in numpy's order: ``grid_rows``
+    agrees with the kernel to rounding, the others exactly).  ``calls`` lists every launch.
     """
 
     device = "cpu"
@@ -315,6 +318,72 @@ class CpuStandIn:
                 for b in range(B):
                     rerun[b, I[b][valid[b]]] = True
                 self.rerun_bounds.append(int((BOUND - before)[rerun].max(initial=0)))
+
+
+    # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
+    @staticmethod
+    def _frac_bits(top):
+        top = float(to_numpy(top).reshape(-1)[0])
+        return 40.0 - np.ceil(np.log2(top if top > 0 else 1.0))
+
+    def exact_grid_rows(self, q, grad_out, indices, kv_norm, c_row, kv_coef):
+        self.calls.append(("grid_rows",))
+        Q, DO = to_numpy(q).astype(np.float64), to_numpy(grad_out).astype(np.float64)
+        norm = np.float64(to_numpy(kv_norm).reshape(-1)[0])
+        kscale = norm * norm * np.float64(kv_coef)
+        w = (DO * DO).sum(-1) * (kscale * (Q * Q).sum(-1) + 1.0 / DO.shape[-1])  # [B, S, H]
+        n_valid = (to_numpy(indices) >= 0).sum(-1)
+        _write(c_row, 4.0 * np.sqrt(w.sum(-1)) / np.maximum(n_valid, 1).astype(np.float64))
+
+    def exact_grid_scatter(self, c_row, top, indices, est):
+        self.calls.append(("grid_scatter",))
+        C, I, EST = to_numpy(c_row), to_numpy(indices), to_numpy(est).copy()
+        c_fx = np.ceil(np.ldexp(C, int(self._frac_bits(top)))).astype(np.int64)
+        ok = (I >= 0) & (I < EST.shape[1])
+        for b in range(I.shape[0]):
+            np.add.at(EST[b], I[b][ok[b]], np.broadcast_to(c_fx[b][:, None], I[b].shape)[ok[b]])
+        _write(est, EST)
+
+    def exact_grid_keys(self, est, top, inv_grid, shift, e_lo, e_hi):
+        self.calls.append(("grid_keys",))
+        est_f = to_numpy(est).astype(np.float64)
+        e = np.ceil(np.log2(np.where(est_f > 0, est_f, 1.0))) - self._frac_bits(top) + shift
+        e = np.clip(e, e_lo, e_hi)
+        _write(inv_grid, np.ldexp(np.float32(1.0), (-e).astype(np.int32)).astype(np.float32))
+
+    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, n_max, exact_bits,
+                         coarse_bits):
+        self.calls.append(("rerun_plan",))
+        bound_f = to_numpy(bound).astype(np.float64) * (1.0 + 2.0**-50)
+        by_max = np.ldexp(np.float64(n_max), to_numpy(bound_exp).astype(np.int32))
+        u = np.where(bound_f >= 2.0**40, by_max, np.minimum(by_max, bound_f))
+        room = np.ldexp(1.0, exact_bits) - n_max
+        has = bound_f > 0
+        u = np.where(has, u, 1.0)
+        with np.errstate(over="ignore"):
+            t = np.floor(np.log2(room / u))
+            t = np.where(np.ldexp(u, t.astype(np.int32)) <= room, t, t - 1)
+        out = has & ((bound_f > np.ldexp(1.0, exact_bits)) | (t >= coarse_bits))
+        inv = to_numpy(inv_grid)
+        with np.errstate(over="ignore"):
+            scaled = np.ldexp(inv.astype(np.float64), np.where(out, t, 0).astype(np.int32))
+            inv = np.where(out, scaled.astype(np.float32), inv)
+        acc = to_numpy(dkv_acc)
+        acc[out] = 0
+        _write(inv_grid, inv)
+        _write(dkv_acc, acc)
+        _write(over, out.astype(np.int32))
+
+    def exact_rerun_slots(self, indices, over, indices2, counts):
+        self.calls.append(("rerun_slots",))
+        I, O = to_numpy(indices), to_numpy(over)
+        ok = (I >= 0) & (I < O.shape[1])
+        rerun = ok & (np.stack([O[b][np.where(ok[b], I[b], 0)] for b in range(I.shape[0])]) != 0)
+        first = np.argsort(~rerun, axis=-1, kind="stable")  # re-run slots first, in order
+        n = rerun.sum(-1)
+        out = np.where(np.arange(I.shape[-1]) < n[..., None], np.take_along_axis(I, first, -1), -1)
+        _write(indices2, out.astype(np.int32))
+        _write(counts, n.astype(np.int32))
 
 
 # --- shared inputs ------------------------------------------------------------------------------

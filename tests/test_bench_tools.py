@@ -398,7 +398,8 @@ def test_stage_timing_through_the_interface_on_cpu(monkeypatch, margin):
     assert list(reports["fwd"]) == ["fwd kernel"] + rest
     assert list(reports["bwd_atomic"]) == ["preprocess", "main"] + rest
     det = reports["bwd_det"]
-    assert list(det) == ["preprocess", "main", "main re-run"] + rest + ["exact"]
+    assert list(det) == ["preprocess", "grid", "main", "re-run plan", "main re-run"] + rest + [
+        "exact"]
     assert det["call"] > det["main"] > 0
     last = sets[2 % 3]["idx"]  # the last of the three calls
     keys, slots = torch.unique(last[last >= 0]).numel(), int((last >= 0).sum())
