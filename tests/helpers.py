@@ -21,6 +21,9 @@ Helpers:
 * ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose launchers implement each
   kernel's math in numpy (they take CPU or CUDA tensors: read to the host, written back).
 * ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
+* ``distinct_indices(...)``, ``exact_first_pass_state(...)``: inputs of the exact dKV's
+  bookkeeping kernels (top-k rows with unnamed keys and ``-1`` slots; a first pass's bounds
+  covering every branch of the re-run plan), numpy.
 * ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
   and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
 
@@ -387,6 +390,44 @@ class CpuStandIn:
 
 
 # --- shared inputs ------------------------------------------------------------------------------
+def distinct_indices(rng, B, S, S_kv, L, used_keys, empty_rows=(), fill=0.8):
+    """``[B, S, L]`` int32 top-k indices for the exact dKV's bookkeeping tests: distinct keys per
+    row from ``[0, used_keys)`` (``used_keys < S_kv``: the keys past it are named by no slot),
+    in random order, a share ``1 - fill`` of the slots ``-1``, rows ``empty_rows`` all ``-1``."""
+    assert used_keys < S_kv
+    idx = np.full((B, S, L), -1, np.int32)
+    for b in range(B):
+        for s in range(S):
+            k = rng.permutation(used_keys)[:L]
+            idx[b, s, :len(k)] = k
+            idx[b, s] = rng.permutation(idx[b, s])
+    idx[rng.random(idx.shape) > fill] = -1
+    for r in empty_rows:
+        idx[:, r] = -1
+    return idx
+
+
+def exact_first_pass_state(rng, B, S_kv, n_max, d_k=576):
+    """``(Bound int64, BoundExp int32, InvGrid fp32, Acc fp32 [B, S_kv, d_k])`` as numpy, as an
+    exact first pass could leave them for ``n_max = S G``, drawn to cover every branch of the
+    re-run plan: keys without contributions (Bound 0, BoundExp at its start value), bounds far
+    inside 2^24 (grids far too coarse), near it (kept), above it (too fine) and clamped
+    (>= 2^40, half of them with BoundExp at its cap)."""
+    kind = rng.integers(0, 6, (B, S_kv))
+    bound = np.select(
+        [kind == 0, kind == 1, kind == 2, kind == 3, kind == 4],
+        [np.zeros((B, S_kv)), rng.integers(1, 2**10, (B, S_kv)),
+         rng.integers(2**23, 2**24 - int(n_max), (B, S_kv)), rng.integers(2**24, 2**30, (B, S_kv)),
+         rng.integers(2**40, 2**50, (B, S_kv))],
+        rng.integers(2**12, 2**20, (B, S_kv))).astype(np.int64)
+    log_u = np.log2(np.maximum(bound, 1) / n_max)
+    bexp = np.where(bound > 0, np.ceil(log_u) + rng.integers(1, 4, (B, S_kv)), -(2**30))
+    bexp[(kind == 4) & (rng.random((B, S_kv)) < 0.5)] = 101  # clamped u: the exponent's cap
+    inv = np.exp2(rng.integers(-60, 61, (B, S_kv))).astype(np.float32)
+    acc = rng.standard_normal((B, S_kv, d_k)).astype(np.float32)
+    return bound, bexp.astype(np.int32), inv, acc
+
+
 def extreme_logits_case():
     """Issue 9's input as numpy ``(q, kv, idx, sm_scale, out_exact, lse_exact)``.
 

@@ -16,7 +16,13 @@ import math
 import numpy as np
 import pytest
 
-from helpers import CpuStandIn, to_numpy, to_tensor
+from helpers import (
+    CpuStandIn,
+    distinct_indices,
+    exact_first_pass_state,
+    to_numpy,
+    to_tensor,
+)
 from paddlefleet.tilelang_ops.attn import interface
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 
@@ -117,22 +123,6 @@ def _framework_slots(ops, over, idx):
 
 
 # --- inputs -----------------------------------------------------------------------------------
-def _indices(rng, B, S, S_kv, L, used_keys, empty_rows=(), fill=0.8):
-    """Distinct keys per row from ``[0, used_keys)`` (keys past it are named by no slot), a
-    share ``1 - fill`` of the slots ``-1``, rows ``empty_rows`` all ``-1``."""
-    idx = np.full((B, S, L), -1, np.int32)
-    for b in range(B):
-        for s in range(S):
-            k = rng.permutation(used_keys)[:L]
-            idx[b, s, :len(k)] = k
-            idx[b, s] = rng.permutation(idx[b, s])
-    idx[rng.random(idx.shape) > fill] = -1
-    for r in empty_rows:
-        idx[:, r] = -1
-    assert used_keys < S_kv
-    return idx
-
-
 def _bf16_rows(rng, shape, row_exp):
     """Random bf16-representable values, row ``(b, s)`` scaled by ``2**row_exp[b, s]``."""
     x = rng.standard_normal(shape).astype(np.float32)
@@ -169,7 +159,7 @@ def test_grid_rows_is_the_framework_formula(fw, rng, scale):
     do[0, 2] = 0.0
     kv = rng.standard_normal((B, S_kv, DK)).astype(np.float32) * (2.0**-30 if scale != "moderate"
                                                                   else 1.0)
-    idx = _indices(rng, B, S, S_kv, L, used_keys=40, empty_rows=(3,))
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=40, empty_rows=(3,))
     q, do, kv = (fw.bf16(a) for a in (q, do, kv))
     idx_t = fw.t(idx)
     ops = ops_for(q)
@@ -196,7 +186,7 @@ def test_grid_scatter_and_keys_are_the_framework_formula(fw, rng, margin, top_ex
     c = np.exp2(top_exp + rng.uniform(-12, 0, (B, S)))
     c[0, 4] = 0.0
     c[1, 0] = np.exp2(float(top_exp))  # the largest row exactly a power of two
-    idx = _indices(rng, B, S, S_kv, L, used_keys=50, empty_rows=(6,))
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=50, empty_rows=(6,))
     c_row, idx_t = fw.t(c), fw.t(idx)
     ops = ops_for(c_row)
     prov = CpuStandIn()
@@ -216,30 +206,11 @@ def test_grid_scatter_and_keys_are_the_framework_formula(fw, rng, margin, top_ex
 
 
 # --- after the first pass -----------------------------------------------------------------------
-def _first_pass_state(rng, B, S_kv, n_max):
-    """Bound / BoundExp / InvGrid / Acc as a first pass leaves them, drawn to cover every branch:
-    keys without contributions (Bound 0, BoundExp at its start value), bounds well inside 2^24
-    (far too coarse grids), near it, above it (too fine) and clamped (>= 2^40)."""
-    kind = rng.integers(0, 6, (B, S_kv))
-    bound = np.select(
-        [kind == 0, kind == 1, kind == 2, kind == 3, kind == 4],
-        [np.zeros((B, S_kv)), rng.integers(1, 2**10, (B, S_kv)),
-         rng.integers(2**23, 2**24 - int(n_max), (B, S_kv)), rng.integers(2**24, 2**30, (B, S_kv)),
-         rng.integers(2**40, 2**50, (B, S_kv))],
-        rng.integers(2**12, 2**20, (B, S_kv))).astype(np.int64)
-    log_u = np.log2(np.maximum(bound, 1) / n_max)
-    bexp = np.where(bound > 0, np.ceil(log_u) + rng.integers(1, 4, (B, S_kv)), -(2**30))
-    bexp[(kind == 4) & (rng.random((B, S_kv)) < 0.5)] = 101  # clamped u: the exponent bound
-    inv = np.exp2(rng.integers(-60, 61, (B, S_kv))).astype(np.float32)
-    acc = rng.standard_normal((B, S_kv, DK)).astype(np.float32)
-    return bound, bexp.astype(np.int32), inv, acc
-
-
 def test_rerun_plan_is_the_framework_formula(fw, rng):
     """over, the re-run grids and the cleared accumulator rows: exactly the former framework
     code's, over keys of every kind (no contribution, too coarse, fitting, too fine, clamped)."""
     B, S_kv, n_max = 2, 400, 12.0
-    bound, bexp, inv, acc = _first_pass_state(rng, B, S_kv, n_max)
+    bound, bexp, inv, acc = exact_first_pass_state(rng, B, S_kv, n_max)
     bound_t, bexp_t, inv_t, acc_t = fw.t(bound), fw.t(bexp), fw.t(inv), fw.t(acc)
     ops = ops_for(bound_t)
     ref = _framework_plan(ops, bound_t, bexp_t, inv_t, acc_t, n_max)
@@ -261,7 +232,7 @@ def test_rerun_slots_are_the_framework_compaction(fw, rng, share):
     framework code's, for no key, some keys and every key re-run, with -1 slots anywhere in a
     row and whole -1 rows."""
     B, S, S_kv, L = 2, 11, 90, 70
-    idx = _indices(rng, B, S, S_kv, L, used_keys=80, empty_rows=(4,), fill=0.7)
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=80, empty_rows=(4,), fill=0.7)
     over = (rng.random((B, S_kv)) < share).astype(np.int32)
     idx_t, over_t = fw.t(idx), fw.t(over)
     ops = ops_for(idx_t)
@@ -299,8 +270,8 @@ def test_rerun_slots_match_the_framework_compaction_of_a_plan(fw, rng):
     """The former compaction code on the former plan's over of a first-pass state, and the
     stand-in's slots on the stand-in plan's over: the same idx2 and counts."""
     B, S, S_kv, L, n_max = 2, 10, 300, 64, 10.0
-    bound, bexp, inv, acc = _first_pass_state(rng, B, S_kv, n_max)
-    idx = _indices(rng, B, S, S_kv, L, used_keys=S_kv - 20, empty_rows=(0,))
+    bound, bexp, inv, acc = exact_first_pass_state(rng, B, S_kv, n_max)
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=S_kv - 20, empty_rows=(0,))
     t = [fw.t(a) for a in (bound, bexp, inv, acc)]
     idx_t = fw.t(idx)
     ops = ops_for(idx_t)
@@ -347,7 +318,7 @@ def test_exact_dkv_bookkeeping_is_the_framework_code(fw, margin, monkeypatch):
     kv = fw.bf16(rng.standard_normal((B, S_kv, DK)))
     do = fw.bf16(rng.standard_normal((B, S, H, DV)))
     sink = to_tensor(fw.name, rng.standard_normal(H).astype(np.float32), "float32")
-    idx_np = _indices(rng, B, S, S_kv, L, used_keys=56, empty_rows=(2,))
+    idx_np = distinct_indices(rng, B, S, S_kv, L, used_keys=56, empty_rows=(2,))
     idx = fw.t(idx_np)
     prov = _Capture()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sink, provider=prov)
