@@ -18,9 +18,12 @@ Helpers:
 * ``record_calls(monkeypatch, calls, module, *names)``: log the calls of a module's functions.
 * ``to_tensor(fw, array, dtype)`` / ``to_numpy(tensor)``: numpy to a ``fw`` tensor of a
   canonical dtype (``"bfloat16"`` included) and back (bf16 widened to fp32 first).
-* ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose three launchers implement
-  each kernel's math in numpy, on CPU tensors.
+* ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose launchers implement each
+  kernel's math in numpy (they take CPU or CUDA tensors: read to the host, written back).
 * ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
+* ``distinct_indices(...)``, ``exact_first_pass_state(...)``: inputs of the exact dKV's
+  bookkeeping kernels (top-k rows with unnamed keys and ``-1`` slots; a first pass's bounds
+  covering every branch of the re-run plan), numpy.
 * ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
   and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
 
@@ -224,14 +227,17 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 class CpuStandIn:
-    """CPU stand-ins of the four kernels (fwd, preprocess, main, finish): their math, in numpy.
+    """CPU stand-ins of the kernels (fwd, preprocess, main, finish and the exact dKV's
+    bookkeeping): their math, in numpy.
 
-    A provider for ``attn/interface.py`` (``device = "cpu"``).  Each launcher checks that it is
-    handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and processes
-    one tile at a time, as the kernels' CTAs do; the forward reuses the reference.  ``main`` in
-    exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into ``bound``
-    as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the largest
-    bound a re-run key reached in that call alone.  ``calls`` lists every launch.
+    A provider for ``attn/interface.py`` (``device = "cpu"``).  Each attention launcher checks
+    that it is handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and
+    processes one tile at a time, as the kernels' CTAs do; the forward reuses the reference.
+    ``main`` in exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into
+    ``bound`` as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the
+    largest bound a re-run key reached in that call alone.  The ``exact_*`` launchers are the
+    formulas of ``kernels/exact_grid.py`` in fp64 numpy (sums in numpy's order: ``grid_rows``
+    agrees with the kernel to rounding, the others exactly).  ``calls`` lists every launch.
     """
 
     device = "cpu"
@@ -325,7 +331,111 @@ class CpuStandIn:
         _write(dkv, ACC.astype(np.float32))  # exact: acc times a power of two
 
 
+    # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
+    @staticmethod
+    def _frac_bits(top):
+        top = float(to_numpy(top).reshape(-1)[0])
+        return 40.0 - np.ceil(np.log2(top if top > 0 else 1.0))
+
+    def exact_grid_rows(self, q, grad_out, indices, kv_norm, c_row, kv_coef):
+        self.calls.append(("grid_rows",))
+        Q, DO = to_numpy(q).astype(np.float64), to_numpy(grad_out).astype(np.float64)
+        norm = np.float64(to_numpy(kv_norm).reshape(-1)[0])
+        kscale = norm * norm * np.float64(kv_coef)
+        w = (DO * DO).sum(-1) * (kscale * (Q * Q).sum(-1) + 1.0 / DO.shape[-1])  # [B, S, H]
+        n_valid = (to_numpy(indices) >= 0).sum(-1)
+        _write(c_row, 4.0 * np.sqrt(w.sum(-1)) / np.maximum(n_valid, 1).astype(np.float64))
+
+    def exact_grid_scatter(self, c_row, top, indices, est):
+        self.calls.append(("grid_scatter",))
+        C, I, EST = to_numpy(c_row), to_numpy(indices), to_numpy(est).copy()
+        c_fx = np.ceil(np.ldexp(C, int(self._frac_bits(top)))).astype(np.int64)
+        ok = (I >= 0) & (I < EST.shape[1])
+        for b in range(I.shape[0]):
+            np.add.at(EST[b], I[b][ok[b]], np.broadcast_to(c_fx[b][:, None], I[b].shape)[ok[b]])
+        _write(est, EST)
+
+    def exact_grid_keys(self, est, top, inv_grid, shift, e_lo, e_hi):
+        self.calls.append(("grid_keys",))
+        est_f = to_numpy(est).astype(np.float64)
+        e = np.ceil(np.log2(np.where(est_f > 0, est_f, 1.0))) - self._frac_bits(top) + shift
+        e = np.clip(e, e_lo, e_hi)
+        _write(inv_grid, np.ldexp(np.float32(1.0), (-e).astype(np.int32)).astype(np.float32))
+
+    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, n_max, exact_bits,
+                         coarse_bits):
+        self.calls.append(("rerun_plan",))
+        bound_f = to_numpy(bound).astype(np.float64) * (1.0 + 2.0**-50)
+        by_max = np.ldexp(np.float64(n_max), to_numpy(bound_exp).astype(np.int32))
+        u = np.where(bound_f >= 2.0**40, by_max, np.minimum(by_max, bound_f))
+        room = np.ldexp(1.0, exact_bits) - n_max
+        has = bound_f > 0
+        u = np.where(has, u, 1.0)
+        with np.errstate(over="ignore"):
+            t = np.floor(np.log2(room / u))
+            t = np.where(np.ldexp(u, t.astype(np.int32)) <= room, t, t - 1)
+        out = has & ((bound_f > np.ldexp(1.0, exact_bits)) | (t >= coarse_bits))
+        inv = to_numpy(inv_grid)
+        with np.errstate(over="ignore"):
+            scaled = np.ldexp(inv.astype(np.float64), np.where(out, t, 0).astype(np.int32))
+            inv = np.where(out, scaled.astype(np.float32), inv)
+        acc = to_numpy(dkv_acc)
+        acc[out] = 0
+        _write(inv_grid, inv)
+        _write(dkv_acc, acc)
+        _write(over, out.astype(np.int32))
+
+    def exact_rerun_slots(self, indices, over, indices2, counts):
+        self.calls.append(("rerun_slots",))
+        I, O = to_numpy(indices), to_numpy(over)
+        ok = (I >= 0) & (I < O.shape[1])
+        rerun = ok & (np.stack([O[b][np.where(ok[b], I[b], 0)] for b in range(I.shape[0])]) != 0)
+        first = np.argsort(~rerun, axis=-1, kind="stable")  # re-run slots first, in order
+        n = rerun.sum(-1)
+        out = np.where(np.arange(I.shape[-1]) < n[..., None], np.take_along_axis(I, first, -1), -1)
+        _write(indices2, out.astype(np.int32))
+        _write(counts, n.astype(np.int32))
+
+
 # --- shared inputs ------------------------------------------------------------------------------
+def distinct_indices(rng, B, S, S_kv, L, used_keys, empty_rows=(), fill=0.8):
+    """``[B, S, L]`` int32 top-k indices for the exact dKV's bookkeeping tests: distinct keys per
+    row from ``[0, used_keys)`` (``used_keys < S_kv``: the keys past it are named by no slot),
+    in random order, a share ``1 - fill`` of the slots ``-1``, rows ``empty_rows`` all ``-1``."""
+    assert used_keys < S_kv
+    idx = np.full((B, S, L), -1, np.int32)
+    for b in range(B):
+        for s in range(S):
+            k = rng.permutation(used_keys)[:L]
+            idx[b, s, :len(k)] = k
+            idx[b, s] = rng.permutation(idx[b, s])
+    idx[rng.random(idx.shape) > fill] = -1
+    for r in empty_rows:
+        idx[:, r] = -1
+    return idx
+
+
+def exact_first_pass_state(rng, B, S_kv, n_max, d_k=576):
+    """``(Bound int64, BoundExp int32, InvGrid fp32, Acc fp32 [B, S_kv, d_k])`` as numpy, as an
+    exact first pass could leave them for ``n_max = S G``, drawn to cover every branch of the
+    re-run plan: keys without contributions (Bound 0, BoundExp at its start value), bounds far
+    inside 2^24 (grids far too coarse), near it (kept), above it (too fine) and clamped
+    (>= 2^40, half of them with BoundExp at its cap)."""
+    kind = rng.integers(0, 6, (B, S_kv))
+    bound = np.select(
+        [kind == 0, kind == 1, kind == 2, kind == 3, kind == 4],
+        [np.zeros((B, S_kv)), rng.integers(1, 2**10, (B, S_kv)),
+         rng.integers(2**23, 2**24 - int(n_max), (B, S_kv)), rng.integers(2**24, 2**30, (B, S_kv)),
+         rng.integers(2**40, 2**50, (B, S_kv))],
+        rng.integers(2**12, 2**20, (B, S_kv))).astype(np.int64)
+    log_u = np.log2(np.maximum(bound, 1) / n_max)
+    bexp = np.where(bound > 0, np.ceil(log_u) + rng.integers(1, 4, (B, S_kv)), -(2**30))
+    bexp[(kind == 4) & (rng.random((B, S_kv)) < 0.5)] = 101  # clamped u: the exponent's cap
+    inv = np.exp2(rng.integers(-60, 61, (B, S_kv))).astype(np.float32)
+    acc = rng.standard_normal((B, S_kv, d_k)).astype(np.float32)
+    return bound, bexp.astype(np.int32), inv, acc
+
+
 def extreme_logits_case():
     """Issue 9's input as numpy ``(q, kv, idx, sm_scale, out_exact, lse_exact)``.
 

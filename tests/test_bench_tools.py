@@ -396,9 +396,10 @@ def test_stage_timing_through_the_interface_on_cpu(monkeypatch, margin):
                for v in bench.OURS}
     rest = ["rest of the call", "call"]
     assert list(reports["fwd"]) == ["fwd kernel"] + rest
-    assert list(reports["bwd_atomic"]) == ["preprocess", "main"] + rest
+    assert list(reports["bwd_atomic"]) == ["preprocess", "main", "finish"] + rest
     det = reports["bwd_det"]
-    assert list(det) == ["preprocess", "main", "main re-run"] + rest + ["exact"]
+    assert list(det) == ["preprocess", "grid", "main", "re-run plan", "main re-run",
+                         "finish"] + rest + ["exact"]
     assert det["call"] > det["main"] > 0
     last = sets[2 % 3]["idx"]  # the last of the three calls
     keys, slots = torch.unique(last[last >= 0]).numel(), int((last >= 0).sum())

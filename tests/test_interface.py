@@ -2,10 +2,11 @@
 
 The wrappers' own logic (block_h / head plan, head padding and slicing, top-k padding with -1,
 index dtype, the LSE bridge, d_sink, the exact dKV grids and their re-run, input errors) runs on
-CPU tensors against :class:`CpuStandIn`, a provider whose three launchers (fwd, bwd_preprocess,
-bwd_main) implement each kernel's math in numpy (fp64 products; the forward reuses
-``reference.py``) and raise when handed a head count other than their tile.  Results are compared with the fp32 reference by relative L2 error.  Runs under
-Paddle (CI) and, where installed, PyTorch.
+CPU tensors against :class:`CpuStandIn`, a provider whose launchers (fwd, bwd_preprocess,
+bwd_main and the exact dKV's ``exact_*`` bookkeeping) implement each kernel's math in numpy (fp64
+products; the forward reuses ``reference.py``; the attention ones raise when handed a head count
+other than their tile).  Results are compared with the fp32 reference by relative L2 error.
+Runs under Paddle (CI) and, where installed, PyTorch.
 """
 
 from __future__ import annotations
@@ -98,8 +99,10 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     plan = tiling.head_plan(H)
     head = ("main", plan.heads_per_cta, plan.padded_heads, 128)
     finish = ("finish", plan.heads_per_cta, det)
-    if det:  # the first pass, then the re-run of the keys that exceeded their bound
-        assert prov.calls[2:] == [head + ("exact", True), head + ("exact", False), finish]
+    if det:  # the grids, the first pass, the re-run plan, the re-run of the keys over their bound
+        assert prov.calls[2:] == [("grid_rows",), ("grid_scatter",), ("grid_keys",),
+                                  head + ("exact", True), ("rerun_plan",), ("rerun_slots",),
+                                  head + ("exact", False), finish]
     else:
         assert prov.calls[2:] == [head + ("atomic", True), finish]
 

@@ -6,7 +6,10 @@ Lowering costs 10-60 s per kernel on 2 cores, so only a handful of specialisatio
 (the names and arguments come from ``attn.kernels.specs``, the registry every launcher uses):
 the 64-head forward (the reference shape), the 64-head backward main kernel in the
 deterministic exact mode (first pass with dQ, and the re-run without), the 16-head atomic
-backward (the other key block) and the preprocess.
+backward (the other key block) and the preprocess; and the exact dKV's five small bookkeeping
+kernels (``exact_grid.py``, a second or two each), each held to what makes it fast and safe:
+16-byte loads, int64 atomics, warp ballots, runtime scalar arguments, and every global read or
+write of a data-dependent index behind its bounds check.
 Runs under tilelang-paddle 0.1.13 (CI) and mainline TileLang 0.1.15; skipped when TileLang is
 not installed.
 """
@@ -72,6 +75,18 @@ def _specs():
 
 
 SPECS = _specs() if settings.tilelang_flavour() is not None else []
+EXACT_GRID = ("grid_rows", "grid_scatter", "grid_keys", "rerun_plan", "rerun_slots")
+
+
+def _grid_specs():
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    got = [(n, a) for n, a in kernels.specs() if n in EXACT_GRID]
+    assert sorted(n for n, _ in got) == sorted(EXACT_GRID), got
+    return got
+
+
+GRID_SPECS = _grid_specs() if settings.tilelang_flavour() is not None else []
 MAIN64 = ("bwd_main", (64, 576, 512, "exact", True, 32))
 RERUN64 = ("bwd_main", (64, 576, 512, "exact", False, 32))
 
@@ -112,6 +127,64 @@ def test_kernel_lowers_for_sm90a(name, args):
         # the exact mode rounds onto the key's grid and proves its bound with int64 adds
         assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact
         assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
+
+
+def _guarded(src, access, guards, before=600):
+    """Every ``access`` (e.g. ``"Over["``) in ``src`` has each of ``guards`` in the ``before``
+    characters ahead of it (the bounds check of its ``if``)."""
+    sites = [m.start() for m in re.finditer(re.escape(access), src)]
+    assert sites, access
+    for at in sites:
+        window = src[max(0, at - before):at]
+        missing = [g for g in guards if g not in window]
+        assert not missing, (access, missing, src[max(0, at - before):at + 80])
+    return len(sites)
+
+
+def _signature(src, name):
+    return re.search(rf"__global__ void __launch_bounds__\(\d+, 1\) {name}_kernel\(([^)]*)\)",
+                     src).group(1)
+
+
+@pytest.mark.parametrize("name, args", GRID_SPECS, ids=[n for n, _ in GRID_SPECS])
+def test_exact_grid_kernel_lowers_for_sm90a(name, args):
+    """The exact dKV's bookkeeping kernels lower for sm_90a with at most a few words of shared
+    memory, with what each is for, the margins and bit counts as runtime scalar arguments (the
+    tests vary them), and no read or write through a data-dependent index without its check:
+    a slot's key is used only in ``[0, S_kv)`` (never ``-1``), a row's slots only below ``L``,
+    a key only below ``S_kv``."""
+    art = _lower(name, args)
+    src = art.kernel_source
+    assert "__global__" in src and _smem(art) <= 256, _smem(art)
+    sig = _signature(src, "exact_" + name)
+    for idx_read in ("Indices[",):
+        if idx_read in src:
+            _guarded(src, idx_read, ["< L)"])
+    if name == "grid_rows":
+        # 16-byte loads of each head row, fp64 squares, three butterflies (|q|^2, |dO|^2, count)
+        assert re.search(r"\*\(uint4\*\)\(qv \+ 0\) = \*\(uint4\*\)\(Q \+ ", src)
+        assert re.search(r"\*\(uint4\*\)\(ov \+ 0\) = \*\(uint4\*\)\(dO \+ ", src)
+        assert "((double)qv[e]) * ((double)qv[e])" in src
+        assert src.count("__shfl_xor_sync") == 15
+        assert "double kv_coef" in sig and "sqrt(" in src
+    elif name == "grid_scatter":
+        assert _guarded(src, "AtomicAdd((&(Est[", ["(0 <= j[0]) && (j[0] < S_kv)"]) == 1
+        assert "ceil(ldexp(CRow[" in src and "ceil(log2(" in src
+    elif name == "grid_keys":
+        assert all(f"int {a}" in sig for a in ("shift", "e_lo", "e_hi"))
+        _guarded(src, "InvGrid[", ["< S_kv)"], before=1500)
+        assert "ldexp(0x1p+0" in src and "ceil(log2(" in src
+    elif name == "rerun_plan":
+        assert "double n_max" in sig and "int exact_bits" in sig and "int coarse_bits" in sig
+        for access in ("Bound[", "BoundExp[", "InvGrid[", "Over["):
+            _guarded(src, access, ["< S_kv)"], before=3000)
+        # over keys' accumulator rows cleared with 16-byte stores, only keys below S_kv
+        _guarded(src, "*(float4*)(Acc + ", ["over_s[", "< S_kv)"])
+        assert "floor(log2(" in src and "ldexp(u[0]" in src
+    else:
+        assert "__ballot_sync(0xFFFFFFFFu" in src and "__popc(" in src
+        _guarded(src, "Over[", ["(0 <= slot[", "< S_kv)"])
+        assert "Idx2[" in src and "Counts[" in src
 
 
 @pytest.mark.parametrize("name, args", [MAIN64, RERUN64], ids=["main64_exact", "rerun64_exact"])
@@ -197,7 +270,8 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name, args", SPECS[:3], ids=["fwd64", "main64_exact", "main64_rerun"])
+@pytest.mark.parametrize("name, args", SPECS[:3] + GRID_SPECS,
+                         ids=["fwd64", "main64_exact", "main64_rerun"] + [n for n, _ in GRID_SPECS])
 def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     import tilelang
 

@@ -331,9 +331,12 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
     kinds = [c[0] for c in stand_in.calls]
-    # The deterministic backward: the exact-grid first pass (with dq), then its re-run.
-    assert kinds == ["fwd", "pre", "main", "main"], stand_in.calls
-    assert [c[-2:] for c in stand_in.calls[2:]] == [("exact", True), ("exact", False)]
+    # The deterministic backward: the grids, the exact first pass (with dq), the re-run plan
+    # and slots, then the re-run.
+    assert kinds == ["fwd", "pre", "grid_rows", "grid_scatter", "grid_keys", "main",
+                     "rerun_plan", "rerun_slots", "main"], stand_in.calls
+    mains = [c for c in stand_in.calls if c[0] == "main"]
+    assert [c[-2:] for c in mains] == [("exact", True), ("exact", False)]
 
     # fp32 reference on the same bf16-rounded inputs; bf16 outputs, so ~1e-2 relative.
     ref_out, rq, rkv, rsk = _run_op(

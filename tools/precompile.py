@@ -11,8 +11,9 @@ pytest would take minutes.  This tool builds them in a process pool that shares
 Specialisations: ``paddlefleet.tilelang_ops.attn.kernels.specs`` (the forward, the backward
 preprocess, and the main backward in its three flavours: exact with dQ, exact re-run without
 dQ, atomic) for every head tile in ``--heads`` (default 16 32 64, all the tiles
-``tiling.head_plan`` can give).  Prints one line per kernel and a summary; exits 1 if any
-failed.
+``tiling.head_plan`` can give), and the exact dKV's five bookkeeping kernels (``exact_grid.py``:
+grid_rows, grid_scatter, grid_keys, rerun_plan, rerun_slots; one specialisation each, whatever
+the head tile).  Prints one line per kernel and a summary; exits 1 if any failed.
 """
 
 from __future__ import annotations

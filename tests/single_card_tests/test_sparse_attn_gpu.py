@@ -25,7 +25,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import cuda_available, extreme_logits_case, rel_l2
+from helpers import (
+    CpuStandIn,
+    cuda_available,
+    distinct_indices,
+    exact_first_pass_state,
+    extreme_logits_case,
+    rel_l2,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -55,15 +62,24 @@ def _sentinel(dtype):
 
 
 def _poison(dtype):
-    return 0x7FFF_FFFF_FFFF if dtype in (torch.int64, torch.int32) else float("nan")
+    if dtype == torch.int64:
+        return 0x7FFF_FFFF_FFFF
+    return 0x7FFF_FFF0 if dtype == torch.int32 else float("nan")
+
+
+def _unwritten(t):
+    """Elements still holding the poison (NaN for floats)."""
+    return int(torch.isnan(t).sum()) if t.is_floating_point() else int((t == _poison(t.dtype)).sum())
 
 
 if cuda_available():
 
     class GuardedKernels(interface.TileLangKernels):
         """The real kernels, each output replaced by a view into a larger buffer whose head and
-        tail hold a sentinel; outputs are poisoned (NaN) first, except the dKV accumulator,
-        which the kernel adds into.  After each launch the guards must be untouched."""
+        tail hold a sentinel; outputs are poisoned (NaN) first, except those a kernel adds into
+        or updates (the dKV accumulator, Bound, BoundExp, est, the grids the re-run plan
+        scales).  After each launch the guards must be untouched, and the outputs the exact
+        dKV's bookkeeping kernels write whole must hold no poison."""
 
         def __init__(self):
             super().__init__()
@@ -87,13 +103,15 @@ if cuda_available():
             )
             t.copy_(view)
 
-        def _run(self, launch, outputs):
-            framed = [(n, t, *self._framed(t, poison)) for n, t, poison in outputs]
-            launch([v for _, _, _, v in framed])
+        def _run(self, launch, outputs, whole=False):
+            framed = [(n, t, poison, *self._framed(t, poison)) for n, t, poison in outputs]
+            launch([v for _, _, _, _, v in framed])
             torch.cuda.synchronize()
             self.launches += 1
-            for n, t, big, view in framed:
+            for n, t, poison, big, view in framed:
                 self._check(n, big, view, t)
+                if whole and poison:
+                    assert _unwritten(t) == 0, f"{n}: {_unwritten(t)} elements not written"
 
         def fwd(self, m, q, kv, idx, sink, scale, out, lse):
             self._run(lambda v: super(GuardedKernels, self).fwd(m, q, kv, idx, sink, scale, *v),
@@ -125,7 +143,30 @@ if cuda_available():
         def bwd_finish(self, m, scaled, acc, inv_grid, dkv):
             self._run(lambda v: super(GuardedKernels, self).bwd_finish(m, scaled, acc, inv_grid,
                                                                        *v),
-                      [("dkv", dkv, True)])
+                      [("dkv", dkv, True)], whole=True)
+
+        def exact_grid_rows(self, q, do, idx, kv_norm, c_row, kv_coef):
+            self._run(lambda v: super(GuardedKernels, self).exact_grid_rows(
+                q, do, idx, kv_norm, *v, kv_coef), [("c_row", c_row, True)], whole=True)
+
+        def exact_grid_scatter(self, c_row, top, idx, est):
+            self._run(lambda v: super(GuardedKernels, self).exact_grid_scatter(
+                c_row, top, idx, *v), [("est", est, False)])
+
+        def exact_grid_keys(self, est, top, inv_grid, shift, e_lo, e_hi):
+            self._run(lambda v: super(GuardedKernels, self).exact_grid_keys(
+                est, top, *v, shift, e_lo, e_hi), [("inv_grid", inv_grid, True)], whole=True)
+
+        def exact_rerun_plan(self, bound, bound_exp, inv_grid, acc, over, n_max, exact_bits,
+                             coarse_bits):
+            self._run(lambda v: super(GuardedKernels, self).exact_rerun_plan(
+                bound, bound_exp, *v, n_max, exact_bits, coarse_bits),
+                [("inv_grid", inv_grid, False), ("dkv_acc", acc, False), ("over", over, True)],
+                whole=True)
+
+        def exact_rerun_slots(self, idx, over, idx2, counts):
+            self._run(lambda v: super(GuardedKernels, self).exact_rerun_slots(idx, over, *v),
+                      [("idx2", idx2, True), ("counts", counts, True)], whole=True)
 
 
 def _inputs(case, seed):
@@ -424,6 +465,120 @@ def test_exact_dkv_peaked_attention():
     assert e_dq < TOL and e_dkv < TOL and e_top < TOL
 
 
+# The exact dKV's bookkeeping kernels (kernels/exact_grid.py) alone: H from 1 to 128, top-k not a
+# multiple of anything, rows at scales 2^-20 .. 2^20, a zero grad_out row, an empty row, keys that
+# no slot names.
+GRID_CASES = [
+    dict(id="H1_L64", B=1, S=20, S_kv=80, H=1, L=64, used=70),
+    dict(id="H5_B2_L100", B=2, S=37, S_kv=300, H=5, L=100, used=280),
+    dict(id="H64_L2048", B=1, S=40, S_kv=2200, H=64, L=2048, used=2150),
+    dict(id="H128_L650", B=1, S=24, S_kv=700, H=128, L=650, used=690),
+]
+
+
+@pytest.mark.parametrize("case", GRID_CASES, ids=[c["id"] for c in GRID_CASES])
+def test_exact_grid_kernels_match_the_stand_in(case):
+    """Each bookkeeping kernel against its numpy stand-in (``helpers.CpuStandIn``, itself held to
+    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs: the row
+    weights to fp64 rounding (the sums' order differs) and bitwise repeatable; from the same
+    row weights the int64 estimates and the grids (margins 2, -40, +12) exactly; the re-run
+    plan (every branch: ``helpers.exact_first_pass_state``) exactly (over, the scaled grids,
+    the cleared accumulator rows); the slot compaction exactly (the same slots per row, in the
+    same order) for the plan's over and for none, all and a third of the keys."""
+    rng = np.random.default_rng(zlib.crc32(case["id"].encode()))
+    B, S, S_kv, H, L = case["B"], case["S"], case["S_kv"], case["H"], case["L"]
+
+    def bf16(shape, row_scale):
+        x = rng.standard_normal(shape) * row_scale[..., None, None]
+        return torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16)
+
+    q = bf16((B, S, H, DK), np.exp2(rng.integers(-20, 21, (B, S))))
+    do = bf16((B, S, H, DV), np.exp2(rng.integers(-20, 21, (B, S))))
+    do[0, 1] = 0
+    kv = torch.from_numpy(rng.standard_normal((B, S_kv, DK), dtype=np.float32)).cuda()
+    kv = kv.to(torch.bfloat16)
+    idx_np = distinct_indices(rng, B, S, S_kv, L, case["used"], empty_rows=(2,), fill=0.85)
+    idx = torch.from_numpy(idx_np).cuda()
+    prov, ref = GuardedKernels(), CpuStandIn()
+
+    kv_norm = torch.linalg.vector_norm(kv.reshape(1, -1), dim=-1, dtype=torch.float32)
+    coef = SM_SCALE**2 / (kv.numel() * DK)
+    c_row, c_again, c_ref = (torch.empty((B, S), dtype=torch.float64, device="cuda")
+                             for _ in range(3))
+    prov.exact_grid_rows(q, do, idx, kv_norm, c_row, coef)
+    prov.exact_grid_rows(q, do, idx, kv_norm, c_again, coef)
+    ref.exact_grid_rows(q, do, idx, kv_norm, c_ref, coef)
+    assert torch.equal(c_row, c_again), "row weights not bitwise repeatable"
+    torch.testing.assert_close(c_row, c_ref, rtol=1e-12, atol=0)
+    assert c_row[0, 1] == 0 and bool((c_row[0, 2:] > 0).all())
+
+    top = c_row.amax().reshape(1)
+    est, est_ref = (torch.zeros((B, S_kv), dtype=torch.int64, device="cuda") for _ in range(2))
+    prov.exact_grid_scatter(c_row, top, idx, est)
+    ref.exact_grid_scatter(c_row, top, idx, est_ref)
+    assert torch.equal(est, est_ref)
+    assert not bool(est[:, case["used"]:].any()) and bool((est[:, :case["used"]] > 0).any())
+    for margin in (interface.GRID_MARGIN_BITS, -40, 12):
+        inv, inv_ref = (torch.empty((B, S_kv), device="cuda") for _ in range(2))
+        args = (margin - interface.EXACT_BITS, *interface._GRID_EXP_RANGE)
+        prov.exact_grid_keys(est, top, inv, *args)
+        ref.exact_grid_keys(est, top, inv_ref, *args)
+        assert torch.equal(inv, inv_ref), f"grids differ at margin {margin}"
+
+    n_max = float(S * 2)
+    state = exact_first_pass_state(rng, B, S_kv, n_max)
+    got = [torch.from_numpy(a).cuda() for a in state]
+    want = [torch.from_numpy(a).cuda() for a in state]
+    over, over_ref = (torch.empty((B, S_kv), dtype=torch.int32, device="cuda") for _ in range(2))
+    bits = (interface.EXACT_BITS, interface.RERUN_COARSE_BITS)
+    prov.exact_rerun_plan(*got, over, n_max, *bits)
+    ref.exact_rerun_plan(*want, over_ref, n_max, *bits)
+    assert torch.equal(over, over_ref)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    assert 0 < int(over.sum()) < over.numel()
+
+    for name, o in (("plan", over), ("none", torch.zeros_like(over)),
+                    ("all", torch.ones_like(over)),
+                    ("third", (torch.rand(over.shape, device="cuda") < 0.3).int())):
+        idx2, idx2_ref = (torch.empty_like(idx) for _ in range(2))
+        counts, counts_ref = (torch.empty((B, S), dtype=torch.int32, device="cuda")
+                              for _ in range(2))
+        prov.exact_rerun_slots(idx, o, idx2, counts)
+        ref.exact_rerun_slots(idx, o, idx2_ref, counts_ref)
+        assert torch.equal(counts, counts_ref), name
+        assert torch.equal(idx2.sort(-1).values, idx2_ref.sort(-1).values), name  # as sets
+        assert torch.equal(idx2, idx2_ref), f"{name}: the re-run slots' order differs"
+
+
+def test_deterministic_backward_captures_in_a_cuda_graph(monkeypatch):
+    """With the value checks off the deterministic backward has no host sync and no shape that
+    depends on the data: it captures in a CUDA graph, and a replay gives the eager result bit
+    for bit, with no key re-run and with keys re-run (first-pass grids 2^20 too fine)."""
+    case = dict(B=1, S=48, S_kv=300, H=64, L=200, sink=True)
+    q, kv, do, sink, idx = _inputs(case, 41)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink)
+    for margin in (interface.GRID_MARGIN_BITS, -20):
+        monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+
+        def bwd():
+            return interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
+                                                   check_indices=False)
+
+        eager = bwd()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+            bwd()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = bwd()
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b, name in zip(eager, captured, ("dq", "dkv", "d_sink")):
+            assert torch.equal(a, b), f"{name}: graph replay differs (margin {margin})"
+
+
 def test_rows_without_keys_give_zero_and_inf():
     case = dict(B=1, S=16, S_kv=64, H=8, L=64, sink=True)
     q, kv, do, sink, idx = _inputs(case, 7)
@@ -486,8 +641,12 @@ def test_new_shapes_do_not_recompile():
                                                      provider=prov)
         ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
         assert rel_l2(dq.float(), ref_dq) < TOL and rel_l2(dkv.float(), ref_dkv) < TOL
-    assert sorted({k[0] for k in prov._kernels}) == ["bwd_finish", "bwd_main", "bwd_pre", "fwd"]
-    assert len(prov._kernels) == 5  # fwd, pre, main exact with dq and its re-run, finish
+    assert sorted({k[0] for k in prov._kernels}) == [
+        "bwd_finish", "bwd_main", "bwd_pre", "fwd", "grid_keys", "grid_rows", "grid_scatter",
+        "rerun_plan", "rerun_slots"]
+    # fwd, pre, main exact with dq and its re-run, finish, the exact dKV's five bookkeeping
+    # kernels
+    assert len(prov._kernels) == 10
 
 
 def test_bad_inputs_raise():

@@ -244,10 +244,12 @@ def rel_errors(ours, ref, names) -> str:
 
 
 class StageClock:
-    """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main) that
-    launches through ``inner`` with a clock mark on each side of every launch.  It keeps what
-    the deterministic backward hands its exact dKV passes: the first pass's per-key bound and
-    the re-run pass's indices (its keys' slots, ``-1`` elsewhere)."""
+    """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main, bwd_finish and
+    the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark on each side
+    of every launch; the exact dKV's grid kernels count as one stage ("grid"), its re-run plan
+    and slot compaction as another ("re-run plan").  It keeps what the deterministic backward
+    hands its exact dKV passes: the first pass's per-key bound and the re-run pass's indices
+    (its keys' slots, ``-1`` elsewhere)."""
 
     def __init__(self, clock, inner):
         self.clock, self.inner, self.device = clock, inner, inner.device
@@ -273,6 +275,24 @@ class StageClock:
             self.bound = bound.clone()  # the re-run adds to it
         elif mode == "exact":
             self.rerun_idx = indices
+
+    def exact_grid_rows(self, *args):
+        self._launch("grid", self.inner.exact_grid_rows, *args)
+
+    def exact_grid_scatter(self, *args):
+        self._launch("grid", self.inner.exact_grid_scatter, *args)
+
+    def exact_grid_keys(self, *args):
+        self._launch("grid", self.inner.exact_grid_keys, *args)
+
+    def exact_rerun_plan(self, *args):
+        self._launch("re-run plan", self.inner.exact_rerun_plan, *args)
+
+    def exact_rerun_slots(self, *args):
+        self._launch("re-run plan", self.inner.exact_rerun_slots, *args)
+
+    def bwd_finish(self, *args):
+        self._launch("finish", self.inner.bwd_finish, *args)
 
 
 def stage_report(torch, clock, fn, inputs, reps, inner) -> dict:

@@ -59,12 +59,16 @@ _GRID_EXP_RANGE = (-100, 100)
 class TileLangKernels:
     """Default provider: launches the TileLang kernels (CUDA tensors of either framework).
 
-    A provider has ``device`` (the device kind its tensors must be on) and four launchers; each
-    fills its output arguments in place.  The column order of the fp32 dKV accumulator between
-    ``bwd_main`` and ``bwd_finish`` is the provider's own (these kernels permute the 64-head
-    tiles', ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the real order.
-    Compiled kernels are cached by TileLang per static specialisation (head tile, Dk, Dv, dKV
-    mode, dQ on/off); shapes are dynamic.
+    A provider has ``device`` (the device kind its tensors must be on) and one launcher per
+    kernel: ``fwd``, ``bwd_preprocess``, ``bwd_main``, ``bwd_finish`` and, around the
+    deterministic backward's exact dKV passes, ``exact_grid_rows``, ``exact_grid_scatter``,
+    ``exact_grid_keys``, ``exact_rerun_plan`` and ``exact_rerun_slots``
+    (``kernels/exact_grid.py``).  Each fills its output arguments in place; tensors come first,
+    in the kernel's order, then its scalar arguments.  The column order of the fp32 dKV
+    accumulator between ``bwd_main`` and ``bwd_finish`` is the provider's own (these kernels
+    permute the 64-head tiles', ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the
+    real order.  Compiled kernels are cached by TileLang per static specialisation (head tile,
+    Dk, Dv, dKV mode, dQ on/off); shapes are dynamic.
     """
 
     device = "cuda"
@@ -102,6 +106,26 @@ class TileLangKernels:
 
         key = ("bwd_finish",) + finish_args(heads_per_cta, scaled, int(dkv_acc.shape[-1]))
         self._kernel(key)(dkv_acc, inv_grid, dkv)
+
+    # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
+    def exact_grid_rows(self, q, grad_out, indices, kv_norm, c_row, kv_coef):
+        key = ("grid_rows", int(q.shape[-1]), int(grad_out.shape[-1]))
+        self._kernel(key)(q, grad_out, indices, kv_norm, c_row, float(kv_coef))
+
+    def exact_grid_scatter(self, c_row, top, indices, est):
+        self._kernel(("grid_scatter",))(c_row, top, indices, est)
+
+    def exact_grid_keys(self, est, top, inv_grid, shift, e_lo, e_hi):
+        self._kernel(("grid_keys",))(est, top, inv_grid, int(shift), int(e_lo), int(e_hi))
+
+    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, n_max, exact_bits,
+                         coarse_bits):
+        self._kernel(("rerun_plan", int(dkv_acc.shape[-1])))(
+            bound, bound_exp, inv_grid, dkv_acc, over, float(n_max), int(exact_bits),
+            int(coarse_bits))
+
+    def exact_rerun_slots(self, indices, over, indices2, counts):
+        self._kernel(("rerun_slots",))(indices, over, indices2, counts)
 
 
 _DEFAULT_PROVIDER = TileLangKernels()
@@ -166,43 +190,40 @@ def _d_sink(ops, attn_sink, lse2, delta):
     return -ops.sum(ops.reshape(p_sink * delta, (b * s, h)), axis=0)
 
 
-def _grid_estimate(ops, q, grad_out, kv, valid, flat_idx, sm_scale):
-    """Exponents ``e_j [B, S_kv]`` of the first pass's per-key grids ``g_j = 2**e_j``, for
-    ``valid [B, S, L]`` (slots with a key) and ``flat_idx [B, S*L]`` (their keys, 0 elsewhere).
+def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale):
+    """``inv_grid [B, S_kv] fp32``: ``1 / g_j = 2**-e_j`` of the first pass's per-key grids, for
+    ``query [B, S, H, Dk]`` and ``grad_out [B, S, H, Dv]`` (the real heads, contiguous) and
+    ``idx [B, S, L]`` int32 (``-1``: no key).
 
     A deterministic guess of each key's sum of contributions if attention were uniform: a row
     ``s`` with ``L_s`` valid slots gives each key about ``c_s = 4 / L_s * sqrt(sum_h |dO_sh|^2
     ((sm_scale kv_rms |q_sh|)^2 / Dk + 1 / Dv))`` per column (the per-head terms of
-    ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns).  The sum over
-    a key's rows ``E_j`` is taken in int64 fixed point (exact, so order-free), and
-    ``g_j = 2**(ceil(log2 E_j) + GRID_MARGIN_BITS - EXACT_BITS)``.  Only speed depends on this
-    guess: the kernel proves the bound for every key, and keys whose grid proves too fine (the
-    bound fails) or too coarse (``RERUN_COARSE_BITS``) are re-run on a grid fitted to it.
+    ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns), in fp64 from
+    the bf16 inputs (kernel ``grid_rows``).  The sum over a key's rows ``E_j`` is taken in int64
+    fixed point, in units of ``2^-F`` with ``F = 40 - ceil(log2 max_s c_s)`` (exact, so
+    order-free; ``grid_scatter``), and ``e_j = ceil(log2 E_j) - F + GRID_MARGIN_BITS -
+    EXACT_BITS``, clipped to ``_GRID_EXP_RANGE`` (``grid_keys``).  Framework ops: the Frobenius
+    norm of kv (``kv_rms`` is it over ``sqrt(numel)``), the largest ``c_s`` and a zeroed ``E``;
+    no host sync.  Only
+    speed depends on this guess: the kernel proves the bound for every key, and keys whose grid
+    proves too fine (the bound fails) or too coarse (``RERUN_COARSE_BITS``) are re-run on a grid
+    fitted to it.
     """
-    b, s, l = ops.shape(valid)
-    d_k, d_v = ops.shape(q)[-1], ops.shape(grad_out)[-1]
+    b, s, _ = ops.shape(idx)
+    _, s_kv, d_k = ops.shape(kv)
     kv_f = ops.cast(kv, "float32") if ops.device_kind(kv) == "cpu" else kv
-    kv_rms = ops.row_norm(ops.reshape(kv_f, (1, -1))) / math.sqrt(max(1, ops.shape(kv)[0]
-                                                                      * ops.shape(kv)[1] * d_k))
-    # fp64 from here: the squares of fp32 norms under/overflow at extreme scales
-    qn = ops.cast(ops.row_norm(q), "float64")  # [B, S, H]
-    don = ops.cast(ops.row_norm(grad_out), "float64")
-    kv_rms = ops.cast(kv_rms, "float64")
-    w = don * don * ((qn * (kv_rms * sm_scale)) ** 2 / d_k + 1.0 / d_v)
-    n_valid = ops.sum(ops.cast(valid, "float64"), axis=-1)  # [B, S]
-    one = ops.full((1,), 1.0, "float64", n_valid)
-    c_row = 4.0 * ops.sqrt(ops.sum(w, axis=-1)) / ops.where(n_valid > 0, n_valid, one)
-    # fixed point with the largest row at 2^40: sums of <= 2^22 rows stay below 2^63
-    top = ops.amax(c_row)
-    frac_bits = 40.0 - ops.ceil(ops.log2(ops.where(top > 0, top, one)))
-    c_fx = ops.cast(ops.ceil(ops.ldexp(c_row, ops.cast(frac_bits, "int32"))), "int64")
-    vals = ops.where(valid, ops.reshape(c_fx, (b, s, 1)), ops.zeros((1,), "int64", c_fx))
-    est = ops.put_along_axis(ops.zeros((b, ops.shape(kv)[1]), "int64", c_fx), flat_idx,
-                             ops.reshape(vals, (b, s * l)), axis=1, reduce="add")
-    est_f = ops.cast(est, "float64")
-    e = ops.ceil(ops.log2(ops.where(est_f > 0, est_f, ops.full((1,), 1.0, "float64", est_f))))
-    e = e - ops.cast(frac_bits, "float64") + float(GRID_MARGIN_BITS - EXACT_BITS)
-    return e.clip(*_GRID_EXP_RANGE)
+    kv_norm = ops.row_norm(ops.reshape(kv_f, (1, -1)))  # [1] fp32: ||kv||_F
+    # (sm_scale kv_rms)^2 / Dk = ||kv||_F^2 kv_coef (the kernel squares the norm in fp64)
+    kv_coef = sm_scale * sm_scale / (max(1, b * s_kv * d_k) * d_k)
+    c_row = ops.empty((b, s), "float64", idx)
+    provider.exact_grid_rows(query, grad_out, idx, kv_norm, c_row, kv_coef)
+    top = ops.reshape(ops.amax(c_row), (1,))
+    est = ops.zeros((b, s_kv), "int64", idx)
+    provider.exact_grid_scatter(c_row, top, idx, est)
+    inv_grid = ops.empty((b, s_kv), "float32", idx)
+    provider.exact_grid_keys(est, top, inv_grid, GRID_MARGIN_BITS - EXACT_BITS,
+                             *_GRID_EXP_RANGE)
+    return inv_grid
 
 
 def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, grad_out,
@@ -211,8 +232,9 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     accumulator (fp32 ``[B, S_kv, Dk]``, in grid units, the provider's column order) and the
     inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).
 
-    Pass 1 (``main``, exact mode, with dq): every contribution ``c`` to key ``j`` becomes the
-    integer ``k = round(c / g_j)`` and is added in fp32; the kernel also sums exactly, in int64,
+    Pass 1 (``main``, exact mode, with dq) on the grids of :func:`_grid_estimate`: every
+    contribution ``c`` to key ``j`` becomes the integer ``k = round(c / g_j)`` and is added in
+    fp32; the kernel also sums exactly, in int64,
     ``Bound_j = sum over contributions of ceil(u)``, ``u = max_d |c_d / g_j|`` taken before the
     rounding, and keeps ``BoundExp_j``, the largest ``ceil(log2 max(u, 2^-120)) + 1``.
     ``Bound_j <= 2^24`` bounds every partial sum of every column of key ``j`` by ``2^24`` grid
@@ -221,8 +243,11 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     ``2^40``), the grid ``g_j 2^-t`` keeps the bound for ``2^t U_j <= 2^24 - S G``; keys whose
     first grid was too fine (``Bound_j > 2^24``) or ``RERUN_COARSE_BITS`` or more too coarse
     are cleared and re-run (``with_dq=False``, on their slots only, moved to the front of each
-    row) on the grid of the largest such ``t``.  Everything stays on the device, no host sync;
-    a re-run with no keys costs one near-empty launch.  ``docs/conventions.md`` has the proof.
+    row) on the grid of the largest such ``t``: kernel ``rerun_plan`` decides per key (fp64,
+    ``t`` from ``floor(log2)`` checked with an exact ``ldexp``) and clears the re-run keys'
+    accumulator rows, ``rerun_slots`` compacts each row's slots.  Everything stays on the
+    device, no host sync, no data-dependent shape; a re-run with no keys costs one near-empty
+    launch.  ``docs/conventions.md`` has the proof.
     """
     b, s, l = ops.shape(idx)
     s_kv, d_k = ops.shape(kv)[1], ops.shape(kv)[2]
@@ -230,10 +255,7 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
         raise ValueError(
             f"query: S={s} x {plan.num_groups} head group(s) rows may add to one key, more than "
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
-    valid = idx >= 0
-    flat_idx = ops.reshape(ops.where(valid, idx, ops.zeros((1,), "int32", idx)), (b, s * l))
-    e = _grid_estimate(ops, query, grad_out, kv, valid, flat_idx, sm_scale)  # real heads only
-    inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", q), ops.cast(-e, "int32"))
+    inv_grid = _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale)  # real heads
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
@@ -241,36 +263,14 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
                       inv_grid, counts, dq, acc, bound, bound_exp)
 
-    # Sum_contributions u_j <= U_j: Bound_j (each term ceil(u) >= u), or, when a clamp at 2^40
-    # left Bound short, (rows x groups) * 2^BoundExp_j; the tighter of the two that holds.
-    n_max = float(s * plan.num_groups)
-    bound_f = ops.cast(bound, "float64") * (1.0 + 2.0**-50)  # an upper bound despite rounding
-    by_max = ops.ldexp(ops.full((1,), n_max, "float64", bound_f), bound_exp)
-    u_sum = ops.where(bound_f >= 2.0**40, by_max,
-                      ops.where(by_max < bound_f, by_max, bound_f))
-    # On g_j 2^-t every u scales by 2^t and ceil adds < 1 per contribution, so the new bound is
-    # <= 2^t U_j + n_max: the largest t with 2^t U_j <= 2^24 - n_max keeps every sum exact.
-    room = float(2**EXACT_BITS) - n_max
-    has = bound_f > 0  # a key with no nonzero contribution is exact as it is
-    u_safe = ops.where(has, u_sum, ops.full((1,), 1.0, "float64", u_sum))
-    t = ops.floor(ops.log2(room / u_safe))
-    fits = ops.ldexp(u_safe, ops.cast(t, "int32")) <= room  # whatever log2 rounded to
-    t = ops.where(fits, t, t - 1.0)
-    # re-run a key whose first pass broke the bound (t < 0), or whose grid was coarser than its
-    # fit by RERUN_COARSE_BITS or more (the guess was too high: precision would be lost)
-    over = has & ((bound_f > float(2**EXACT_BITS)) | (t >= float(RERUN_COARSE_BITS)))
-    t = ops.where(over, t, ops.zeros((1,), "float64", t))
-    inv_grid = ops.ldexp(inv_grid, ops.cast(t, "int32"))
-    acc = ops.where(ops.reshape(over, (b, s_kv, 1)), ops.zeros((1,), "float32", acc), acc)
+    # per key: re-run or not (over), the re-run grid (inv_grid *= 2^t), its accumulator cleared
+    over = ops.empty((b, s_kv), "int32", q)
+    provider.exact_rerun_plan(bound, bound_exp, inv_grid, acc, over, float(s * plan.num_groups),
+                              EXACT_BITS, RERUN_COARSE_BITS)
     # the re-run keys' slots first in each row (stable), -1 after them
-    over_i = ops.cast(over, "int32")  # (Paddle gathers no bool)
-    rerun = (ops.reshape(ops.take_along_axis(over_i, flat_idx, axis=1), (b, s, l)) > 0) & valid
-    pos = ops.cast(ops.cumsum(ops.cast(rerun, "int32"), axis=-1), "int32") - 1
-    minus1 = ops.full((1,), -1, "int32", idx)
-    target = ops.where(rerun, pos, ops.full((1,), l - 1, "int32", idx))
-    idx2 = ops.put_along_axis(ops.full((b, s, l), -1, "int32", idx), target,
-                              ops.where(rerun, idx, minus1), axis=-1)
-    counts = ops.cast(ops.sum(ops.cast(rerun, "int32"), axis=-1), "int32")
+    idx2 = ops.empty((b, s, l), "int32", idx)
+    counts = ops.empty((b, s), "int32", idx)
+    provider.exact_rerun_slots(idx, over, idx2, counts)
     provider.bwd_main(plan.heads_per_cta, "exact", False, q, kv, do, idx2, lse2, delta, scale,
                       inv_grid, counts, dq, acc, bound, bound_exp)
     return acc, inv_grid
@@ -372,8 +372,9 @@ def mqa_latent_sparse_bwd(
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and
             processes: each key's dKV is summed exactly on a power-of-two grid of its own
             (:func:`_exact_dkv`; the precision is stated in ``docs/conventions.md``), with the
-            atomic path's scatter and ``B*S_kv*(Dk*4 + 16)`` bytes of scratch.  ``False``: plain
-            fp32 atomics for dKV (last-bit differences between calls).
+            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16)`` bytes of scratch
+            (``L`` padded).  ``False``: plain fp32 atomics for dKV (last-bit differences between
+            calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
 

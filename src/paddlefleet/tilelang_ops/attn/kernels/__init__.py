@@ -6,6 +6,10 @@
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
   -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
   undone, the exact mode's grids applied).
+* around the exact dKV passes (``deterministic=True``), ``exact_grid``: the first pass's
+  per-key grids (``grid_rows`` -> ``grid_scatter`` -> ``grid_keys``) and, after it, which keys
+  re-run (``rerun_plan``) and their slots (``rerun_slots``): small kernels in place of ~40
+  framework ops.
 * ``async_copy``: the 16-byte ``cp.async`` macros (query tile, key-block gather) that both
   warp-specialised kernels share.
 
@@ -22,11 +26,14 @@ D_QK, D_V = 576, 512
 
 
 def builders() -> dict:
-    """``{name: TileLang jit function}`` of the three kernels."""
-    from . import sparse_bwd, sparse_fwd
+    """``{name: TileLang jit function}`` of every kernel."""
+    from . import exact_grid, sparse_bwd, sparse_fwd
 
     return {"fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
-            "bwd_main": sparse_bwd.main, "bwd_finish": sparse_bwd.finish}
+            "bwd_main": sparse_bwd.main, "bwd_finish": sparse_bwd.finish,
+            "grid_rows": exact_grid.grid_rows, "grid_scatter": exact_grid.grid_scatter,
+            "grid_keys": exact_grid.grid_keys, "rerun_plan": exact_grid.rerun_plan,
+            "rerun_slots": exact_grid.rerun_slots}
 
 
 def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V):
@@ -44,8 +51,10 @@ def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
 
 
 def specs(heads=HEAD_TILES) -> list:
-    """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given."""
-    out = [("bwd_pre", (D_V,))]
+    """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given
+    (the exact dKV's bookkeeping kernels do not depend on the head tile: always listed)."""
+    out = [("bwd_pre", (D_V,)), ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()),
+           ("grid_keys", ()), ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
     for m in heads:
         out.append(("fwd", (m, D_QK, D_V)))
         for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):

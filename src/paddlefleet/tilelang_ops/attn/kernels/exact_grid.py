@@ -1,0 +1,352 @@
+"""TileLang kernels of the deterministic backward's bookkeeping around the exact dKV passes.
+
+``interface._exact_dkv`` sums each key's dKV exactly on a power-of-two grid of its own
+(``docs/conventions.md``, "Determinism").  These small kernels choose the first pass's grids and,
+after it, the keys to re-run, all on the device (no host sync, no data-dependent shape), in
+launch order:
+
+``grid_rows``     one CTA per query row ``(b, s)``: ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2
+                  (kscale |q_sh|^2 + 1 / Dv)) / max(1, n_valid)`` in fp64, ``kscale = KvNorm^2
+                  kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots with a key.
+                  The squares of the bf16 inputs and every sum are fp64 (no overflow or underflow
+                  at any bf16 magnitude), added in a fixed order: repeatable bit for bit.
+``grid_scatter``  one CTA per query row: the row's weight in int64 fixed point,
+                  ``ceil(ldexp(CRow, frac_bits))`` with ``frac_bits = 40 - ceil(log2 top)``
+                  (``top`` the largest ``CRow``, a framework ``amax``), added with int64 atomics
+                  into ``Est[b, j]`` for each slot's key (integer sums: exact, order-free).
+``grid_keys``     one thread per key: ``e = ceil(log2 Est) - frac_bits + shift`` clipped to
+                  ``[e_lo, e_hi]``, ``InvGrid = 2^-e`` (fp32, exact).
+``rerun_plan``    after the first pass, one thread per key: from ``Bound``, ``BoundExp`` and
+                  ``InvGrid``, whether the key re-runs (``Over``) and on which grid (``InvGrid``
+                  scaled by ``2^t``), and its dKV accumulator row cleared if so.
+``rerun_slots``   one CTA per query row: the slots whose key re-runs moved to the front of the
+                  row in their order (``Idx2``), ``-1`` after them, and how many (``Counts``).
+
+The formulas are those of the framework code they replace (``_exact_dkv``'s docstring, the
+proof in ``docs/conventions.md``); ``tests/helpers.py::CpuStandIn`` has each one in numpy and
+``tests/test_exact_grid.py`` holds them against the former framework version.  Runtime values
+the tests vary (``GRID_MARGIN_BITS``, ``EXACT_BITS``, ``RERUN_COARSE_BITS``, the clip range,
+``S * G``) are scalar kernel arguments, not compile-time constants.  Static: ``Dk``, ``Dv``,
+threads.  Dynamic: ``B``, ``S``, ``H``, ``L``, ``S_kv``.  No kernel reads past a tensor's end
+or dereferences a ``-1`` slot (or any index outside ``[0, S_kv)``).
+"""
+
+from ... import settings
+
+tilelang = settings.import_tilelang()
+from tilelang import language as T  # noqa: E402
+
+__all__ = ["grid_rows", "grid_scatter", "grid_keys", "rerun_plan", "rerun_slots"]
+
+# the fixed point puts the largest row weight at 2^FIX_TOP_BITS: sums of <= 2^22 rows stay
+# below 2^63 (``S * G <= 2^23`` is checked by the caller)
+FIX_TOP_BITS = 40.0
+VEC = 8  # bf16 per 16-byte load
+WARP = 32
+
+
+@T.macro
+def _frac_bits(top, frac):
+    # 40 - ceil(log2 top), top > 0 (else 1): the fixed point's fractional bits, fp64
+    frac[0] = FIX_TOP_BITS - T.ceil(T.log2(T.if_then_else(top > 0, top, T.float64(1))))
+
+
+@T.macro
+def _warp_sum(x):
+    # butterfly: every lane ends with the same sum (each step adds a + b and b + a: equal)
+    x[0] = x[0] + T.shfl_xor(x[0], 16)
+    x[0] = x[0] + T.shfl_xor(x[0], 8)
+    x[0] = x[0] + T.shfl_xor(x[0], 4)
+    x[0] = x[0] + T.shfl_xor(x[0], 2)
+    x[0] = x[0] + T.shfl_xor(x[0], 1)
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def grid_rows(d_qk: int, d_v: int, threads: int = 256):
+    """``CRow [B, S] fp64`` from ``Q [B, S, H, Dk]``, ``dO [B, S, H, Dv]`` (bf16, the real heads),
+    ``Indices [B, S, L] int32``, ``KvNorm [1] fp32`` (the Frobenius norm of kv) and the scalar
+    ``kv_coef = sm_scale^2 / (numel(kv) Dk)``.
+
+    One CTA per row; warp ``w`` takes heads ``w, w + NW, ...``; each lane reads 16 bytes at a time
+    (a row of one head is ``Dk / 8`` such vectors, coalesced over the warp), squares in fp64 and
+    sums; a butterfly gives the head's ``|q|^2`` and ``|dO|^2`` to every lane.  The warps' sums
+    over their heads and their valid-slot counts meet in shared memory and thread 0 adds them
+    in warp order.  Every order is fixed: the result is repeatable bit for bit."""
+    assert d_qk % VEC == 0 and d_v % VEC == 0 and threads % WARP == 0
+    NW = threads // WARP
+    QV, OV = d_qk // VEC, d_v // VEC  # 16-byte vectors per head row
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    H = T.dynamic("H")
+    L = T.dynamic("L")
+
+    @T.macro
+    def sum_squares(X, nvec, b_i, s_i, h, lane, vec, acc):
+        # |X[b, s, h, :]|^2 in fp64, the warp's sum on every lane
+        acc[0] = 0
+        for i in T.unroll((nvec + WARP - 1) // WARP):
+            if i * WARP + lane < nvec:
+                for e in T.vectorized(VEC):
+                    vec[e] = X[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+                for e in T.unroll(VEC):
+                    acc[0] = acc[0] + T.Cast("float64", vec[e]) * T.Cast("float64", vec[e])
+        _warp_sum(acc)
+
+    @T.prim_func
+    def exact_grid_rows(
+        Q: T.Tensor([B, S, H, d_qk], "bfloat16"),
+        dO: T.Tensor([B, S, H, d_v], "bfloat16"),
+        Indices: T.Tensor([B, S, L], "int32"),
+        KvNorm: T.Tensor([1], "float32"),
+        CRow: T.Tensor([B, S], "float64"),
+        kv_coef: T.float64,
+    ):
+        with T.Kernel(S, B, threads=threads) as (s_i, b_i):
+            w_part = T.alloc_shared([NW], "float64")
+            n_part = T.alloc_shared([NW], "int32")
+            qv = T.alloc_local([VEC], "bfloat16")
+            ov = T.alloc_local([VEC], "bfloat16")
+            q2 = T.alloc_local([1], "float64")
+            o2 = T.alloc_local([1], "float64")
+            w = T.alloc_local([1], "float64")
+            n = T.alloc_local([1], "int32")
+            kscale = T.alloc_local([1], "float64")
+            tx = T.get_thread_binding()
+            lane = tx % WARP
+            warp = tx // WARP
+
+            kscale[0] = T.Cast("float64", KvNorm[0]) * T.Cast("float64", KvNorm[0]) * kv_coef
+            w[0] = 0
+            for hh in T.serial(T.ceildiv(H, NW)):
+                if hh * NW + warp < H:  # the same for the whole warp: its shuffles stay whole
+                    sum_squares(Q, QV, b_i, s_i, hh * NW + warp, lane, qv, q2)
+                    sum_squares(dO, OV, b_i, s_i, hh * NW + warp, lane, ov, o2)
+                    w[0] = w[0] + o2[0] * (kscale[0] * q2[0] + 1.0 / d_v)
+            n[0] = 0
+            for i in T.serial(T.ceildiv(L, threads)):
+                if i * threads + tx < L:
+                    if Indices[b_i, s_i, i * threads + tx] >= 0:
+                        n[0] = n[0] + 1
+            _warp_sum(n)
+            if lane == 0:
+                w_part[warp] = w[0]
+                n_part[warp] = n[0]
+            T.sync_threads()
+            if tx == 0:
+                for k in T.serial(1, NW):
+                    w_part[0] = w_part[0] + w_part[k]
+                    n_part[0] = n_part[0] + n_part[k]
+                CRow[b_i, s_i] = 4.0 * T.sqrt(w_part[0]) / T.Cast(
+                    "float64", T.max(n_part[0], 1))
+
+    return exact_grid_rows
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def grid_scatter(threads: int = 256):
+    """``Est [B, S_kv] int64 += ceil(ldexp(CRow[b, s], frac_bits))`` for every slot of row
+    ``(b, s)`` with a key (``Indices`` in ``[0, S_kv)``), ``frac_bits = 40 - ceil(log2 Top[0])``
+    (``Top[0] > 0``, else 1).  One CTA per row; int64 atomics: exact, so the order does not
+    matter.  ``Est`` must be zeroed by the caller."""
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    L = T.dynamic("L")
+    S_kv = T.dynamic("S_kv")
+
+    @T.prim_func
+    def exact_grid_scatter(
+        CRow: T.Tensor([B, S], "float64"),
+        Top: T.Tensor([1], "float64"),
+        Indices: T.Tensor([B, S, L], "int32"),
+        Est: T.Tensor([B, S_kv], "int64"),
+    ):
+        with T.Kernel(S, B, threads=threads) as (s_i, b_i):
+            frac = T.alloc_local([1], "float64")
+            c_fx = T.alloc_local([1], "int64")
+            j = T.alloc_local([1], "int32")
+            tx = T.get_thread_binding()
+            _frac_bits(Top[0], frac)
+            c_fx[0] = T.Cast("int64", T.ceil(T.ldexp(CRow[b_i, s_i], T.Cast("int32", frac[0]))))
+            if c_fx[0] != 0:  # adding 0 changes nothing
+                for i in T.serial(T.ceildiv(L, threads)):
+                    if i * threads + tx < L:
+                        j[0] = Indices[b_i, s_i, i * threads + tx]
+                        if j[0] >= 0 and j[0] < S_kv:
+                            T.atomic_add(Est[b_i, j[0]], c_fx[0])
+
+    return exact_grid_scatter
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def grid_keys(threads: int = 256):
+    """``InvGrid [B, S_kv] fp32 = 2^-e``, ``e = clip(ceil(log2 Est') - frac_bits + shift, e_lo,
+    e_hi)`` with ``Est' = Est`` (as fp64) where positive, else 1, and ``frac_bits`` from
+    ``Top`` as in :func:`grid_scatter`; ``shift = GRID_MARGIN_BITS - EXACT_BITS`` and the clip
+    range are scalar arguments.  One thread per key."""
+    B = T.dynamic("B")
+    S_kv = T.dynamic("S_kv")
+
+    @T.prim_func
+    def exact_grid_keys(
+        Est: T.Tensor([B, S_kv], "int64"),
+        Top: T.Tensor([1], "float64"),
+        InvGrid: T.Tensor([B, S_kv], "float32"),
+        shift: T.int32,
+        e_lo: T.int32,
+        e_hi: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(S_kv, threads), B, threads=threads) as (k_blk, b_i):
+            frac = T.alloc_local([1], "float64")
+            est = T.alloc_local([1], "float64")
+            e = T.alloc_local([1], "float64")
+            tx = T.get_thread_binding()
+            j = k_blk * threads + tx
+            if j < S_kv:
+                _frac_bits(Top[0], frac)
+                est[0] = T.Cast("float64", Est[b_i, j])
+                e[0] = (T.ceil(T.log2(T.if_then_else(est[0] > 0, est[0], T.float64(1))))
+                        - frac[0] + T.Cast("float64", shift))
+                e[0] = T.min(T.max(e[0], T.Cast("float64", e_lo)), T.Cast("float64", e_hi))
+                InvGrid[b_i, j] = T.Cast("float32", T.ldexp(T.float64(1), T.Cast("int32", -e[0])))
+
+    return exact_grid_keys
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def rerun_plan(d_qk: int, block_keys: int = 64, threads: int = 256):
+    """After the exact first pass, per key ``j`` of batch ``b`` (``interface._exact_dkv`` has
+    the proof), in fp64:
+
+    * ``U = Bound (1 + 2^-50)`` (an upper bound despite the rounding) or, when a ``u`` was
+      clamped (``Bound >= 2^40``) or it is tighter, ``n_max 2^BoundExp``;
+    * ``t`` the largest integer with ``2^t U <= room = 2^exact_bits - n_max`` (``floor(log2(room
+      / U))``, less one where ``ldexp(U, t) > room``: whatever log2 rounded to);
+    * ``Over = Bound > 0 and (Bound > 2^exact_bits or t >= coarse_bits)`` (int32 0/1);
+    * for an over key ``InvGrid *= 2^t`` and its row of ``Acc [B, S_kv, Dk]`` is zeroed.
+
+    ``n_max = S G`` (fp64), ``exact_bits``, ``coarse_bits`` are scalar arguments.  A CTA takes
+    ``block_keys`` keys: one thread each decides, then the CTA clears the over keys' rows with
+    16-byte stores."""
+    assert d_qk % 4 == 0 and block_keys <= threads
+    KB = block_keys
+    B = T.dynamic("B")
+    S_kv = T.dynamic("S_kv")
+
+    @T.prim_func
+    def exact_rerun_plan(
+        Bound: T.Tensor([B, S_kv], "int64"),
+        BoundExp: T.Tensor([B, S_kv], "int32"),
+        InvGrid: T.Tensor([B, S_kv], "float32"),
+        Acc: T.Tensor([B, S_kv, d_qk], "float32"),
+        Over: T.Tensor([B, S_kv], "int32"),
+        n_max: T.float64,
+        exact_bits: T.int32,
+        coarse_bits: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(S_kv, KB), B, threads=threads) as (k_blk, b_i):
+            over_s = T.alloc_shared([KB], "int32")
+            bound = T.alloc_local([1], "float64")
+            by_max = T.alloc_local([1], "float64")
+            u = T.alloc_local([1], "float64")
+            room = T.alloc_local([1], "float64")
+            t = T.alloc_local([1], "float64")
+            over = T.alloc_local([1], "int32")
+            tx = T.get_thread_binding()
+            j0 = k_blk * KB
+            if tx < KB:
+                over[0] = 0
+                if j0 + tx < S_kv:
+                    bound[0] = T.Cast("float64", Bound[b_i, j0 + tx]) * (1.0 + 2.0**-50)
+                    by_max[0] = T.ldexp(n_max, BoundExp[b_i, j0 + tx])
+                    u[0] = T.if_then_else(bound[0] >= 2.0**40, by_max[0],
+                                          T.min(by_max[0], bound[0]))
+                    if bound[0] > 0:  # a key with no nonzero contribution is exact as it is
+                        room[0] = T.ldexp(T.float64(1), exact_bits) - n_max
+                        t[0] = T.floor(T.log2(room[0] / u[0]))
+                        if T.ldexp(u[0], T.Cast("int32", t[0])) > room[0]:
+                            t[0] = t[0] - 1
+                        if (bound[0] > T.ldexp(T.float64(1), exact_bits)
+                                or t[0] >= T.Cast("float64", coarse_bits)):
+                            over[0] = 1
+                            InvGrid[b_i, j0 + tx] = T.Cast("float32", T.ldexp(
+                                T.Cast("float64", InvGrid[b_i, j0 + tx]), T.Cast("int32", t[0])))
+                    Over[b_i, j0 + tx] = over[0]
+                over_s[tx] = over[0]
+            T.sync_threads()
+            for j, d in T.Parallel(KB, d_qk):
+                if over_s[j] != 0:  # only keys < S_kv are ever marked
+                    Acc[b_i, j0 + j, d] = 0
+
+    return exact_rerun_plan
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def rerun_slots(threads: int = 256, rounds: int = 8):
+    """``Idx2 [B, S, L]``: each row's slots whose key re-runs (``Over[b, Indices] != 0``) first,
+    in their order, ``-1`` after them; ``Counts [B, S]`` how many.  One CTA per row, in passes
+    of ``rounds * threads`` slots: every thread loads its ``rounds`` slots and their keys'
+    flags first (independent loads), then per round a warp ballot gives each flagged slot its
+    place among its warp's, shared memory the warps' counts.  Every slot of ``Idx2`` is written
+    exactly once."""
+    assert threads % WARP == 0
+    NW = threads // WARP
+    R = rounds
+    PASS = R * threads
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    L = T.dynamic("L")
+    S_kv = T.dynamic("S_kv")
+
+    @T.prim_func
+    def exact_rerun_slots(
+        Indices: T.Tensor([B, S, L], "int32"),
+        Over: T.Tensor([B, S_kv], "int32"),
+        Idx2: T.Tensor([B, S, L], "int32"),
+        Counts: T.Tensor([B, S], "int32"),
+    ):
+        with T.Kernel(S, B, threads=threads) as (s_i, b_i):
+            counts_s = T.alloc_shared([R, NW], "int32")
+            slot = T.alloc_local([R], "int32")
+            flag = T.alloc_local([R], "int32")
+            mask = T.alloc_local([R], "uint32")
+            base = T.alloc_local([1], "int32")  # flagged slots in the passes before: all threads
+            pos = T.alloc_local([1], "int32")
+            tx = T.get_thread_binding()
+            lane = tx % WARP
+            warp = tx // WARP
+
+            base[0] = 0
+            for ps in T.serial(T.ceildiv(L, PASS)):
+                for r in T.unroll(R):
+                    slot[r] = -1
+                    if ps * PASS + r * threads + tx < L:
+                        slot[r] = Indices[b_i, s_i, ps * PASS + r * threads + tx]
+                for r in T.unroll(R):
+                    flag[r] = 0
+                    if slot[r] >= 0 and slot[r] < S_kv:
+                        flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
+                for r in T.unroll(R):
+                    mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
+                    if lane == 0:
+                        counts_s[r, warp] = T.Cast("int32", T.popcount(mask[r]))
+                T.sync_threads()
+                for r in T.unroll(R):
+                    # flagged slots before this one: earlier rounds, earlier warps, lower lanes
+                    pos[0] = base[0]
+                    for k in T.unroll(NW):
+                        if k < warp:
+                            pos[0] = pos[0] + counts_s[r, k]
+                    if flag[r] != 0:
+                        pos[0] = pos[0] + T.Cast("int32", T.popcount(
+                            mask[r] & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                        Idx2[b_i, s_i, pos[0]] = slot[r]
+                    for k in T.unroll(NW):
+                        base[0] = base[0] + counts_s[r, k]
+                T.sync_threads()  # counts_s is rewritten by the next pass
+            for i in T.serial(T.ceildiv(L, threads)):
+                if i * threads + tx >= base[0] and i * threads + tx < L:
+                    Idx2[b_i, s_i, i * threads + tx] = -1
+            if tx == 0:
+                Counts[b_i, s_i] = base[0]
+
+    return exact_rerun_slots
