@@ -214,18 +214,23 @@ def test_compiled_kernel_has_the_merge_off(name, args):
 @pytest.mark.parametrize("mode", ["exact", "atomic"])
 def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     """The 64-head first pass adds each 64-column dKV chunk from the accumulator of the
-    warpgroup that computed it (exact mode: warpgroup 0 the right half's last chunk and the rope
-    tail, warpgroup 1 the left half's loop and the right half's; atomic mode: warpgroup 1 all
-    nine, ``wg0_chunks`` of ``sparse_bwd.main``), each thread's fragment as it is
+    warpgroup that computed it (``sparse_bwd.two_warpgroup_schedule``: with two chunks on
+    warpgroup 0, the right half's last chunk and the rope tail there, the left half's loop and
+    the right half's on warpgroup 1; with none, warpgroup 1 adds all nine), each thread's
+    fragment as it is
     (no lane exchange) at the permuted columns of ``tiling.dkv_column``, with the 16-byte
     atomics; a dropped or misplaced scatter leaves a wrong dKV and no error.  The two
     warpgroups synchronise through mbarriers and 128-thread named barriers only: a CTA-wide
     barrier inside one warpgroup's branch would hang."""
+    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
+
+    wg0_chunks, overlap, _ = two_warpgroup_schedule(mode)
+    assert not overlap
     src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
     branch = src.index("if (((int)threadIdx.x) < 128)")
     w1 = re.search(r"w1_e0\[\w+\] = ", src).start()
     sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[[^;]*slot\[", src)]
-    if mode == "exact":
+    if wg0_chunks == 2:
         # warpgroup 0: two chunks (the right half's last, the rope tail); warpgroup 1: seven,
         # in two loops
         w0 = re.search(r"w0_e0\[\w+\] = ", src).start()
@@ -245,7 +250,7 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
                             r"\+ \(\(\3 >> 2\) \* 2\)\)( \+ [145]\))?\]", src))
     got = {(w, e, acc, off) for w, e, _, acc, off in copies}
     offs = {"0": "", "1": " + 1)", "2": " + 4)", "3": " + 5)"}
-    pairs = (("w0", "acc_w0"), ("w1", "acc_w1")) if mode == "exact" else (("w1", "acc_w1"),)
+    pairs = (("w0", "acc_w0"), ("w1", "acc_w1")) if wg0_chunks else (("w1", "acc_w1"),)
     want = {(w, e, acc, offs[e]) for w, acc in pairs for e in "0123"}
     assert got == want, sorted(got ^ want)
     assert "__syncthreads()" not in src[branch:]
@@ -257,15 +262,18 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     assert "__sync_thread_partial(3, 128)" in src[ds_store:dq_gemm]
     assert "__sync_thread_partial(3, 128)" not in src[wg1:]
     if mode == "exact":
-        # each slot's maximum over its row's four lanes; warpgroup 0's slot maxima reach
-        # warpgroup 1's bound: stored, signalled, waited for, combined; then one int64 add and
-        # one max per slot
+        # each slot's maximum over its row's four lanes (in each warpgroup that adds chunks);
+        # warpgroup 0's slot maxima reach warpgroup 1's bound: stored, signalled, waited for,
+        # combined; then one int64 add and one max per slot
         for lane in (1, 2):
             assert len(re.findall(rf"u_l\[(\w+)\] = max\(u_l\[\1\], __shfl_xor_sync\("
-                                  rf"\(uint\)4294967295, u_l\[\1\], {lane}, 32\)\)", src)) == 2
-        assert re.search(r"\(\(float\*\)u_w0\)\[[^\n]*\] = u_l\[\w+\];", src)
-        assert "u_ready[0].arrive()" in src and "u_ready[0].wait(" in src
-        assert re.search(r"u_l\[(\w+)\] = max\(u_l\[\1\], \(\(float\*\)u_w0\)", src)
+                                  rf"\(uint\)4294967295, u_l\[\1\], {lane}, 32\)\)", src)) == (
+                2 if wg0_chunks else 1)
+        assert bool(re.search(r"\(\(float\*\)u_w0\)\[[^\n]*\] = u_l\[\w+\];", src)) == bool(
+            wg0_chunks)
+        assert ("u_ready[0].arrive()" in src and "u_ready[0].wait(" in src) == bool(wg0_chunks)
+        assert bool(re.search(r"u_l\[(\w+)\] = max\(u_l\[\1\], \(\(float\*\)u_w0\)",
+                              src)) == bool(wg0_chunks)
         assert "AtomicAdd((&(Bound[" in src and "AtomicMax((&(BoundExp[" in src
 
 
@@ -287,3 +295,21 @@ def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / f"{name}.cubin").stat().st_size > 0
     print(" ".join(l.strip() for l in res.stderr.splitlines() if "registers" in l or "spill" in l))
+
+
+def test_w1_right_moves_the_right_gather_to_warpgroup_1():
+    """``w1_right`` (``sparse_bwd._two_warpgroups``): warpgroup 1 adds dQ's rope tail and
+    gathers the next block's right half and rope tail right after its dQ GEMMs; warpgroup 0 then
+    neither waits for kv_free nor issues those copies.  Both warpgroups commit their gathers to
+    their own mbarrier (kl_full: warpgroup 0; kr_full: warpgroup 0 for block 0, then 1)."""
+    src = _lower("bwd_main", (64, 576, 512, "atomic", True, 32, 256, 1, 128, True, True, 0,
+                              False, True)).kernel_source
+    wg1 = src.index("pds_full[0].wait(")
+    assert "kv_free[0].wait(" not in src and "kv_free[0].arrive()" not in src
+    assert src.count("mbarrier_cp_async_arrive_noinc(kr_full[0])") == 2
+    assert src.rindex("mbarrier_cp_async_arrive_noinc(kr_full[0])") > wg1
+    assert src.rindex("mbarrier_cp_async_arrive_noinc(kl_full[0])") < wg1
+    # the rope tail's dQ is accumulated and stored by warpgroup 1 only
+    wg0 = src.index("if (((int)threadIdx.x) < 128) {\n    sc[0]")
+    wg1_start = src.index("acc_dq_r", wg0)  # warpgroup 1's first statement clears it
+    assert "acc_dq_t" not in src[wg0:wg1_start] and "acc_dq_t" in src[wg1_start:]

@@ -38,6 +38,21 @@ __all__ = ["preprocess", "main", "finish"]
 
 LOG2E = 1.4426950408889634
 
+#: The 64-head first pass's default schedule (docs/performance.md, runs 38-40): whether its dKV
+#: warpgroup also adds dQ's rope tail and gathers the next block's right half (``w1_right``).
+W1_RIGHT = False
+
+
+def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=False, w1_right=None):
+    """``(wg0_chunks, overlap, w1_right)`` of :func:`_two_warpgroups` for ``mode``, the
+    defaults filled in: ``w1_right`` = :data:`W1_RIGHT`; ``wg0_chunks`` = 0 with ``w1_right``
+    or in the atomic mode, else 2 (run 38)."""
+    if w1_right is None:
+        w1_right = W1_RIGHT
+    if wg0_chunks is None:
+        wg0_chunks = 0 if (w1_right or mode == "atomic") else 2
+    return wg0_chunks, bool(overlap), bool(w1_right)
+
 
 # exact mode: u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum
 # exactly in int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
@@ -148,7 +163,7 @@ def finish(d_qk: int, permuted: bool, scaled: bool, block_rows: int = 8, threads
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
          dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
-         wg0_chunks: int | None = None, overlap: bool = False):
+         wg0_chunks: int | None = None, overlap: bool = False, w1_right: bool | None = None):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -203,7 +218,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     if warp_specialized is None:  # measured faster for 64-head tiles (run 29)
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
-        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap)
+        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right)
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -317,12 +332,18 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
-            T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-            T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
-            T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
             if with_dq:
+                T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
+                T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+                T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
                 T.clear(acc_dq)
                 T.clear(acc_dq_tail)
+            elif Counts[b_i, s_i] > 0:
+                # the re-run: a row with no key to re-run (almost every row, in almost every
+                # call) loads nothing (run 39: the empty re-run's tile loads cost 0.16 ms)
+                T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
+                T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+                T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
             num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
 
             for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
@@ -411,7 +432,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 
 def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
-                    wg0_chunks: int | None = None, overlap: bool = False):
+                    wg0_chunks: int | None = None, overlap: bool = False,
+                    w1_right: bool | None = None):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -454,12 +476,15 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
-    if wg0_chunks is None:  # run 38, docs/performance.md
-        wg0_chunks = 2 if exact else 0
+    wg0_chunks, overlap, w1_right = two_warpgroup_schedule(mode, wg0_chunks, overlap, w1_right)
     assert wg0_chunks in (0, 1, 2)
     # with no chunk on warpgroup 0 the overlapped list would end in the rope tail, a case that
     # gave a wrong dKV (run 38) and was slower anyway
     assert not (overlap and wg0_chunks == 0), "overlap needs the rope tail on warpgroup 0"
+    # w1_right (a trial, run 40): warpgroup 1 also adds dQ's rope tail and gathers the next
+    # block's right half and tail right after its dQ GEMMs, so that warpgroup 0 (the longer path
+    # in the atomic mode, run 39's profile) neither waits for kv_free nor gathers them
+    assert not (w1_right and wg0_chunks), "w1_right: warpgroup 0 adds no dKV chunk"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -699,7 +724,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     lse_f[h] = Lse2[b_i, s_i, h0 + h]
                     delta_f[h] = Delta[b_i, s_i, h0 + h]
                 T.fill(acc_dq_l, 0)
-                T.fill(acc_dq_t, 0)
+                if not w1_right:
+                    T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
                     for h, j in T.Parallel(M, BK):
                         acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
@@ -723,17 +749,21 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     T.copy(acc_dp, dS_s)
                     T.fence_proxy_async()  # read by wgmma (both warpgroups)
                     T.barrier_arrive(pds_full[0])
-                    T.wgmma_gemm(dS_s, K_l, acc_dq_l)
-                    T.gemm(dS_s, K_t, acc_dq_t)
-                    T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
+                    if w1_right:
+                        T.gemm(dS_s, K_l, acc_dq_l)
+                    else:
+                        T.wgmma_gemm(dS_s, K_l, acc_dq_l)
+                        T.gemm(dS_s, K_t, acc_dq_t)
+                        T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
                     if k + 1 < NB:
                         gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx)
-                    # also in the last block: it keeps u_ready from running two phases ahead of
-                    # warpgroup 1 (which arrives pds_free before it waits for u_ready)
-                    T.barrier_wait(kv_free[0], k & 1)
-                    if k + 1 < NB:
-                        gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
-                                     k + 1, tx)
+                    if not w1_right:
+                        # also in the last block: it keeps u_ready from running two phases ahead
+                        # of warpgroup 1 (which arrives pds_free before it waits for u_ready)
+                        T.barrier_wait(kv_free[0], k & 1)
+                        if k + 1 < NB:
+                            gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
+                                         k + 1, tx)
                     if wg0_chunks > 0:
                         own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, tx)
                         if wg0_chunks == 2:
@@ -749,17 +779,30 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                                     u_w0[k % 2, slot_row(tx) + 8 * i] = u_l[i]
                             T.barrier_arrive(u_ready[0])
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
-                T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+                if not w1_right:
+                    T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
             else:
                 t = tx - WG
                 T.fill(acc_dq_r, 0)
+                if w1_right:
+                    T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
                     T.barrier_wait(pds_full[0], k & 1)
                     # the keys came by cp.async (generic proxy) and P / dS were fenced by
                     # their writer; both are read by wgmma
                     T.fence_proxy_async()
-                    T.gemm(dS_s, K_r, acc_dq_r)
-                    T.barrier_arrive(kv_free[0])
+                    if w1_right:
+                        # warpgroup 0 read K_r and K_t before it wrote P / dS: once these GEMMs
+                        # are done nobody reads them, and the next block's go in
+                        T.wgmma_gemm(dS_s, K_r, acc_dq_r)
+                        T.gemm(dS_s, K_t, acc_dq_t)
+                        T.warpgroup_fence_operand(acc_dq_r, num_regs=M * DH // WG)
+                        if k + 1 < NB:
+                            gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
+                                         k + 1, t)
+                    else:
+                        T.gemm(dS_s, K_r, acc_dq_r)
+                        T.barrier_arrive(kv_free[0])
                     own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t)
                     if overlap:
                         issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
@@ -790,5 +833,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                                 u_l[i] = T.max(u_l[i], u_w0[k % 2, slot_row(t) + 8 * i])
                         add_slot_bound(u_l, slot, Bound, BoundExp, b_i, t)
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
+                if w1_right:
+                    T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
 
     return sparse_bwd_two_wg
