@@ -19,8 +19,13 @@ Run in this order by ``attn/interface.py``:
                  * atomic (``mode="atomic"``): plain fp32 (order-dependent rounding).
 
 With 64-head tiles the first pass (with dQ) is :func:`_two_warpgroups`, on 64-key blocks: one
-warpgroup computes P and dS and hands them to the other; both add their part of dQ and of the
-block's dKV, straight from the accumulator registers.
+warpgroup computes P and dS and hands them to the other; both add their part of dQ, and the
+block's dKV is added straight from the accumulator registers (by both in the exact mode, by the
+second in the atomic mode), at the permuted columns of ``tiling.dkv_column`` that the 64-head
+re-run follows too.
+
+``finish``       the fp32 dKV accumulator to bf16: the permuted columns back in order, the exact
+                 mode's grids applied (``dKV = acc / InvGrid``, exact: powers of two).
 
 Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
 ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
@@ -553,8 +558,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
         # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
         # 8, 9} (c = 0 .. CW / 16 - 1): it adds them as they are, as one float4 at columns
-        # 16 c + 4 (t % 4) .. + 3 of dKV_acc (DKV_COLUMN_ORDER: a fixed permutation within every
-        # 16 columns, undone by `finish`).  No lane exchange, and the four lanes of a row write
+        # 16 c + 4 (t % 4) .. + 3 of dKV_acc (tiling.dkv_column: a fixed permutation within
+        # every 16 columns, undone by `finish`).  No lane exchange, and the four lanes of a row write
         # 64 contiguous bytes (cuDNN's SM90 DSA backward stores its dKV partials the same way).
         # TileLang takes one index per fragment in a parallel loop: the four columns as copies
         # (register renames after ptxas)
