@@ -330,7 +330,6 @@ class CpuStandIn:
             ACC = ACC / to_numpy(inv_grid).astype(np.float64)[..., None]
         _write(dkv, ACC.astype(np.float32))  # exact: acc times a power of two
 
-
     # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
     @staticmethod
     def _frac_bits(top):

@@ -244,10 +244,10 @@ def rel_errors(ours, ref, names) -> str:
 
 
 class StageClock:
-    """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main, bwd_finish and
-    the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark on each side
-    of every launch; the exact dKV's grid kernels count as one stage ("grid"), its re-run plan
-    and slot compaction as another ("re-run plan").  It keeps what the deterministic backward
+    """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main, bwd_finish
+    and the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark
+    on each side of every launch; the exact dKV's grid kernels count as one stage ("grid"), its
+    re-run plan and slot compaction as another ("re-run plan").  It keeps what the deterministic backward
     hands its exact dKV passes: the first pass's per-key bound and the re-run pass's indices
     (its keys' slots, ``-1`` elsewhere)."""
 

@@ -337,18 +337,15 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
-            if with_dq:
+            # the re-run (with_dq=False): a row with no key to re-run (almost every row, in
+            # almost every call) loads nothing (run 39: the empty re-run's tile loads cost 0.16 ms)
+            if with_dq or Counts[b_i, s_i] > 0:
                 T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
                 T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
                 T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
+            if with_dq:
                 T.clear(acc_dq)
                 T.clear(acc_dq_tail)
-            elif Counts[b_i, s_i] > 0:
-                # the re-run: a row with no key to re-run (almost every row, in almost every
-                # call) loads nothing (run 39: the empty re-run's tile loads cost 0.16 ms)
-                T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-                T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
-                T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
             num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
 
             for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
@@ -559,8 +556,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
         # 8, 9} (c = 0 .. CW / 16 - 1): it adds them as they are, as one float4 at columns
         # 16 c + 4 (t % 4) .. + 3 of dKV_acc (tiling.dkv_column: a fixed permutation within
-        # every 16 columns, undone by `finish`).  No lane exchange, and the four lanes of a row write
-        # 64 contiguous bytes (cuDNN's SM90 DSA backward stores its dKV partials the same way).
+        # every 16 columns, undone by `finish`).  No lane exchange, and the four lanes of a row
+        # write 64 contiguous bytes (cuDNN's SM90 DSA backward stores its dKV partials the same
+        # way).
         # TileLang takes one index per fragment in a parallel loop: the four columns as copies
         # (register renames after ptxas)
         for j, g in T.Parallel(BK, CW // 4):
