@@ -266,9 +266,23 @@ class CpuStandIn:
         _write(out, o_all)
         _write(lse, l_all)
 
-    def bwd_preprocess(self, out2d, do2d, delta):
-        self.calls.append(("pre",))
-        _write(delta, (to_numpy(out2d).astype(np.float64) * to_numpy(do2d)).sum(-1))
+    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
+        # out, do [R, H, Dv]; lse [R, H]; sink [H] (-inf: none); outputs [R, H_pad], 0 at pad
+        # heads.  The bridge in fp64 (the kernel's in fp32, the same formula)
+        self.calls.append(("pre", bool(natural)))
+        O, DO = to_numpy(out).astype(np.float64), to_numpy(do).astype(np.float64)
+        LSE, SINK = to_numpy(lse).astype(np.float64), to_numpy(sink).astype(np.float64)
+        R, H, _ = O.shape
+        DEL = np.zeros(to_numpy(delta).shape)
+        L2, DS = np.zeros(DEL.shape), np.zeros(DEL.shape)
+        DEL[:, :H] = (O * DO).sum(-1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            l2 = np.logaddexp(LSE, SINK) * LOG2E if natural else LSE
+            L2[:, :H] = np.where(l2 == -np.inf, 0.0, l2)
+            DS[:, :H] = -np.exp2(SINK * LOG2E - L2[:, :H]) * DEL[:, :H]
+        _write(delta, DEL)
+        _write(lse2, L2)
+        _write(d_sink_rows, DS)
 
     def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
                  dq, acc, bound, bound_exp):

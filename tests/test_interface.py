@@ -215,6 +215,43 @@ def test_nan_lse_is_not_masked(fw):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("natural", [True, False])
+def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
+    """The preprocess kernel replaced framework ops (run 41): the lse bridge, ``-inf -> 0``, the
+    head padding of lse2 and Delta, ``d_sink = -sum P_sink Delta``.  Its stand-in (which the GPU
+    test holds the kernel to) gives what those ops gave, written here as they were: with a NaN,
+    +inf and -inf lse, a -inf sink, pad heads (H=5 in tiles of 16)."""
+    rng = np.random.default_rng(31 + natural)
+    B, S, H, h_pad = 2, 3, 5, 16
+    out = rng.standard_normal((B, S, H, DV), dtype=np.float32)
+    do = rng.standard_normal((B, S, H, DV), dtype=np.float32)
+    lse = rng.standard_normal((B, S, H)).astype(np.float32) * 20
+    lse[0, 0, 0], lse[0, 1, 1], lse[1, 2, 2] = np.nan, np.inf, -np.inf
+    sink = rng.standard_normal(H).astype(np.float32) * 10
+    sink[2] = -np.inf
+    t = {k: to_tensor(fw, v, "bfloat16" if k in ("out", "do") else "float32")
+         for k, v in dict(out=out, do=do, lse=lse, sink=sink).items()}
+    ops = ops_for(t["lse"])
+    got = [ops.zeros((B * S, h_pad), "float32", t["lse"]) for _ in range(3)]
+    CpuStandIn().bwd_preprocess(natural, ops.reshape(t["out"], (B * S, H, DV)),
+                                ops.reshape(t["do"], (B * S, H, DV)),
+                                ops.reshape(t["lse"], (B * S, H)), t["sink"], *got)
+    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got)
+
+    # the former framework code (interface._bwd and _d_sink before run 41), in numpy
+    want_delta = (to_numpy(t["out"]).astype(np.float64) * to_numpy(t["do"])).sum(-1)
+    want_lse2 = to_numpy(lse_natural_to_log2_sink(t["lse"], t["sink"])) if natural else lse
+    want_lse2 = np.where(want_lse2 == -np.inf, 0.0, want_lse2)
+    with np.errstate(invalid="ignore"):
+        want_ds = -(np.exp(sink - want_lse2 * np.log(2.0)) * want_delta).sum((0, 1))
+    np.testing.assert_allclose(delta[..., :H], want_delta, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(lse2[..., :H], want_lse2, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(-d_rows[..., :H].sum((0, 1)), -want_ds, rtol=1e-5)
+    assert np.isnan(lse2[0, 0, 0]) and lse2[0, 1, 1] == np.inf and lse2[1, 2, 2] == 0
+    assert not (delta[..., H:].any() or lse2[..., H:].any() or d_rows[..., H:].any())
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("flag", [1, 0, "yes", None, np.True_])
 def test_check_indices_must_be_a_bool(fw, flag):
     q, kv, do, sk, idx, out, lse, prov = _empty_row_case(fw, 8, True, seed=23)

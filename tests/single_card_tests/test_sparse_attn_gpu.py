@@ -117,9 +117,11 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).fwd(m, q, kv, idx, sink, scale, *v),
                       [("out", out, True), ("lse", lse, True)])
 
-        def bwd_preprocess(self, out2d, do2d, delta):
-            self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(out2d, do2d, *v),
-                      [("delta", delta, True)])
+        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
+            self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(natural, out, do, lse,
+                                                                           sink, *v),
+                      [("delta", delta, True), ("lse2", lse2, True),
+                       ("d_sink_rows", d_sink_rows, True)], whole=True)
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
                      counts, dq, acc, bound, bound_exp):
@@ -548,6 +550,37 @@ def test_exact_grid_kernels_match_the_stand_in(case):
         assert torch.equal(counts, counts_ref), name
         assert torch.equal(idx2.sort(-1).values, idx2_ref.sort(-1).values), name  # as sets
         assert torch.equal(idx2, idx2_ref), f"{name}: the re-run slots' order differs"
+
+
+@pytest.mark.parametrize("natural", [True, False], ids=["natural", "log2_sink"])
+def test_preprocess_kernel_matches_the_stand_in(natural):
+    """The backward's preprocess (Delta, the finite base-2 lse, each row's d_sink term; 0 at
+    pad heads) against its fp64 stand-in (itself held to the former framework ops by
+    ``tests/test_interface.py``), with a NaN, +inf and -inf lse, a -inf sink and 3 pad heads
+    (H=13 padded to 16): Delta to fp32 rounding, lse2 to a few ulps, every element written
+    (poisoned first, guard regions intact), NaN where the stand-in has NaN."""
+    rng = np.random.default_rng(5 + natural)
+    R, H, h_pad = 70, 13, 16
+    out = torch.from_numpy(rng.standard_normal((R, H, DV), dtype=np.float32)).cuda()
+    do = torch.from_numpy(rng.standard_normal((R, H, DV), dtype=np.float32)).cuda()
+    out, do = out.to(torch.bfloat16), do.to(torch.bfloat16)
+    lse = torch.from_numpy(rng.standard_normal((R, H), dtype=np.float32) * 30).cuda()
+    lse[3, 0], lse[4, 1], lse[5, 2], lse[6, 3] = float("nan"), float("inf"), -float("inf"), 1e30
+    sink = torch.from_numpy(rng.standard_normal(H, dtype=np.float32) * 20).cuda()
+    sink[2] = -float("inf")  # lse[5, 2] = -inf there too: no key, no sink
+    got = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
+    want = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
+    GuardedKernels().bwd_preprocess(natural, out, do, lse, sink, *got)
+    CpuStandIn().bwd_preprocess(natural, out, do, lse, sink, *want)
+    # (rtol, atol): fp32 sums of 512 products (|terms| sum to ~400); lse2 ~ 1 ulp of |lse2|
+    # <= 60; exp2 of a rounded exponent near 40 times Delta
+    tols = {"delta": (1e-5, 1e-3), "lse2": (1e-6, 1e-5), "d_sink_rows": (1e-4, 1e-3)}
+    for name, g, w in zip(("delta", "lse2", "d_sink_rows"), got, want):
+        assert bool((g[:, H:] == 0).all()), f"{name}: pad heads not 0"
+        assert torch.equal(torch.isnan(g), torch.isnan(w)), f"{name}: NaN pattern differs"
+        rtol, atol = tols[name]
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, msg=name)
+    assert got[1][5, 2] == 0 and bool(torch.isnan(got[1][3, 0])) and got[1][4, 1] == float("inf")
 
 
 def test_deterministic_backward_captures_in_a_cuda_graph(monkeypatch):

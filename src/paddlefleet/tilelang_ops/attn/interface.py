@@ -22,13 +22,11 @@ across calls and processes.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from . import tiling
 from .adapter import ops_for, type_name
 from .checks import check_sm_scale, check_tensors, check_values
-from .lse import lse_natural_to_log2_sink
 
 __all__ = [
     "mqa_latent_sparse_fwd",
@@ -39,8 +37,6 @@ __all__ = [
     "RERUN_COARSE_BITS",
 ]
 
-_LOG2E = 1.0 / math.log(2.0)
-_LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
 
 #: Every partial sum of one dKV column, counted in units of its key's grid, stays within
@@ -89,8 +85,9 @@ class TileLangKernels:
         key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
         self._kernel(key)(q, kv, indices, sink, scale, out, lse)
 
-    def bwd_preprocess(self, out2d, grad_out2d, delta):
-        self._kernel(("bwd_pre", int(out2d.shape[-1])))(out2d, grad_out2d, delta)
+    def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
+        self._kernel(("bwd_pre", int(out.shape[-1]), bool(natural)))(
+            out, grad_out, lse, sink, delta, lse2, d_sink_rows)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
@@ -146,14 +143,6 @@ def _pad_heads(ops, t, h_pad):
     return ops.concat([t, ops.zeros((b, s, h_pad - h, d), ops.dtype(t), t)], axis=2)
 
 
-def _pad_rows(ops, t, h_pad, value):
-    """Pad the last axis (heads) of a ``[B, S, H]`` fp32 tensor to ``h_pad`` with ``value``."""
-    b, s, h = ops.shape(t)
-    if h == h_pad:
-        return t
-    return ops.concat([t, ops.full((b, s, h_pad - h), value, ops.dtype(t), t)], axis=2)
-
-
 def _prepare_indices(ops, token_indices):
     """int32, contiguous, ``L`` padded with ``-1`` to a multiple of ``tiling.INDEX_PAD``."""
     idx = ops.contiguous(ops.cast(token_indices, "int32"))
@@ -176,18 +165,6 @@ def _sink_vector(ops, attn_sink, h, h_pad, like):
 
 def _slice_heads(ops, t, h):
     return t if ops.shape(t)[2] == h else ops.contiguous(t[:, :, :h])
-
-
-def _d_sink(ops, attn_sink, lse2, delta):
-    """``d_sink[h] = -sum_{b,s} P_sink * Delta`` (``[H]`` fp32; zeros without a sink): per-row
-    partials ``P_sink = exp(sink - lse2 ln 2)`` times ``Delta``, then one framework reduction
-    over ``B*S`` rows, whose order is fixed for a given shape (no atomics)."""
-    b, s, h = ops.shape(delta)
-    if attn_sink is None:
-        return ops.zeros((h,), "float32", delta)
-    sink = ops.reshape(ops.cast(attn_sink, "float32"), (1, 1, h))
-    p_sink = ops.exp(sink - lse2 * _LN2)
-    return -ops.sum(ops.reshape(p_sink * delta, (b * s, h)), axis=0)
 
 
 def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale):
@@ -407,29 +384,27 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
     B, S, H, h_pad = dims.B, dims.S, dims.H, plan.padded_heads
 
-    # Delta over the real heads (flattened rows, no padding copy of out / grad_out).
+    # One kernel over the real heads (no padding copy of out / grad_out), written for the
+    # padded heads (0 at pad heads): Delta; the base-2, sink-inclusive lse, finite (a row with
+    # no key and no sink has every P = 0: any finite lse2 gives exp2(-inf - lse2) = 0, so 0; a
+    # NaN lse, possible with check_indices=False, stays NaN, never a plausible 0); each row's
+    # term of d_sink, -P_sink Delta (docs/conventions.md).
     out_c = ops.contiguous(out)
     do_c = ops.contiguous(grad_out)
-    n_rows = B * S * H
-    delta = ops.empty((n_rows,), "float32", do_c)
-    provider.bwd_preprocess(ops.reshape(out_c, (n_rows, dims.Dv)),
-                            ops.reshape(do_c, (n_rows, dims.Dv)), delta)
-    delta = ops.reshape(delta, (B, S, H))
-
-    # Base-2 sink-inclusive lse, finite (a row with no key and no sink has every P = 0: any
-    # finite lse2 gives exp2(-inf - lse2) = 0, so use 0).  Only -inf is replaced: a NaN lse
-    # (possible with check_indices=False) must stay NaN, never turn into a plausible 0.
     lse_f = ops.contiguous(lse)
-    lse2 = lse_natural_to_log2_sink(lse_f, attn_sink) if lse_format == "natural" else lse_f
-    zero = ops.zeros((1,), "float32", lse_f)
-    lse2 = ops.where(lse2 == _NEG_INF, zero, lse2)
+    delta_p = ops.empty((B, S, h_pad), "float32", do_c)
+    lse2_p = ops.empty((B, S, h_pad), "float32", do_c)
+    d_sink_rows = ops.empty((B * S, h_pad), "float32", do_c)
+    provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S, H, dims.Dv)),
+                            ops.reshape(do_c, (B * S, H, dims.Dv)), ops.reshape(lse_f, (B * S, H)),
+                            _sink_vector(ops, attn_sink, H, H, lse_f),
+                            ops.reshape(delta_p, (B * S, h_pad)),
+                            ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows)
 
     q = _pad_heads(ops, ops.contiguous(query), h_pad)
     do_p = _pad_heads(ops, do_c, h_pad)
     kv_c = ops.contiguous(kv)
     idx = _prepare_indices(ops, token_indices)
-    lse2_p = ops.contiguous(_pad_rows(ops, lse2, h_pad, 0.0))
-    delta_p = ops.contiguous(_pad_rows(ops, delta, h_pad, 0.0))
 
     scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
@@ -445,8 +420,12 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
                           ops.empty((B, dims.S_kv), "int32", q))
     dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
     provider.bwd_finish(plan.heads_per_cta, deterministic, acc, inv_grid, dkv)
-    # queued behind the kernels: its host time overlaps them
-    d_sink = _d_sink(ops, attn_sink, lse2, delta)
+    # d_sink[h] = -sum over rows of P_sink Delta: one framework reduction over B*S rows, whose
+    # order is fixed for a given shape (no atomics); queued behind the kernels
+    if attn_sink is None:
+        d_sink = ops.zeros((H,), "float32", lse_f)
+    else:
+        d_sink = ops.sum(d_sink_rows, axis=0)[:H]
     return _slice_heads(ops, dq, H), dkv, d_sink
 
 

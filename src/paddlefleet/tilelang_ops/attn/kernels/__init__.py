@@ -53,7 +53,7 @@ def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
 def specs(heads=HEAD_TILES) -> list:
     """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given
     (the exact dKV's bookkeeping kernels do not depend on the head tile: always listed)."""
-    out = [("bwd_pre", (D_V,)), ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()),
+    out = [("bwd_pre", (D_V, True)), ("bwd_pre", (D_V, False)), ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()),
            ("grid_keys", ()), ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
     for m in heads:
         out.append(("fwd", (m, D_QK, D_V)))

@@ -97,39 +97,83 @@ def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, 
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def preprocess(d_v: int, block_rows: int = 32, block_d: int = 128, threads: int = 128):
-    """``Delta [N] fp32 = rowsum(O [N, Dv] * dO [N, Dv])`` for a dynamic ``N``; rows past ``N``
-    in the last CTA are neither read nor written."""
+def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128,
+               threads: int = 128):
+    """Everything the backward needs per (query row, head) before its main kernel, in one pass
+    over ``out`` and ``dO`` (it replaced ~12 framework ops of the lse bridge, the head padding and
+    ``d_sink``, run 41):
+
+    * ``Delta [R, H_pad] = rowsum(O * dO)`` (fp32),
+    * ``Lse2 [R, H_pad]``: the base-2, sink-inclusive lse the main kernels take; from a
+      ``natural`` (sink-exclusive) ``Lse`` it is ``log2(2^(lse log2 e) + 2^(sink log2 e))``,
+      else ``Lse`` as given; ``-inf`` (no key and no sink: every ``P`` is 0) becomes 0, a NaN
+      stays NaN (``docs/conventions.md``, the bridge),
+    * ``DSink [R, H_pad] = -2^(sink log2 e - Lse2) Delta``, the row's term of ``d_sink``
+      (``-P_sink Delta``; 0 for a ``-inf`` sink),
+
+    and 0 in all three for the pad heads ``H <= h < H_pad``.  Inputs ``O``, ``dO [R, H, Dv]``
+    bf16, ``Lse [R, H]`` fp32 and ``Sink [H]`` fp32 (``-inf`` = no sink); ``R = B S``, ``H``,
+    ``H_pad`` dynamic; rows past the end are neither read nor written."""
     assert d_v % block_d == 0, "Dv must be a multiple of the column block"
-    N = T.dynamic("N")
-    R = block_rows
+    R = T.dynamic("R")
+    H = T.dynamic("H")
+    H_pad = T.dynamic("H_pad")
+    BR = block_rows
+    ninf = -T.infinity("float32")
 
     @T.prim_func
     def sparse_bwd_preprocess(
-        O: T.Tensor([N, d_v], "bfloat16"),
-        dO: T.Tensor([N, d_v], "bfloat16"),
-        Delta: T.Tensor([N], "float32"),
+        O: T.Tensor([R, H, d_v], "bfloat16"),
+        dO: T.Tensor([R, H, d_v], "bfloat16"),
+        Lse: T.Tensor([R, H], "float32"),
+        Sink: T.Tensor([H], "float32"),
+        Delta: T.Tensor([R, H_pad], "float32"),
+        Lse2: T.Tensor([R, H_pad], "float32"),
+        DSink: T.Tensor([R, H_pad], "float32"),
     ):
-        with T.Kernel(T.ceildiv(N, R), threads=threads) as r_blk:
-            acc = T.alloc_fragment([R, block_d], "float32")
-            part = T.alloc_fragment([R], "float32")
-            total = T.alloc_fragment([R], "float32")
+        with T.Kernel(T.ceildiv(R * H_pad, BR), threads=threads) as r_blk:
+            acc = T.alloc_fragment([BR, block_d], "float32")
+            part = T.alloc_fragment([BR], "float32")
+            total = T.alloc_fragment([BR], "float32")
             T.fill(total, 0)
             for c in T.serial(d_v // block_d):
-                for r, d in T.Parallel(R, block_d):
-                    row = r_blk * R + r
+                for r, d in T.Parallel(BR, block_d):
+                    n = r_blk * BR + r  # (row, head) n // H_pad, n % H_pad
                     acc[r, d] = T.if_then_else(
-                        row < N,
-                        T.Cast("float32", O[row, c * block_d + d])
-                        * T.Cast("float32", dO[row, c * block_d + d]),
+                        n < R * H_pad and n % H_pad < H,
+                        T.Cast("float32", O[n // H_pad, n % H_pad, c * block_d + d])
+                        * T.Cast("float32", dO[n // H_pad, n % H_pad, c * block_d + d]),
                         0,
                     )
                 T.reduce_sum(acc, part, dim=1)
-                for r in T.Parallel(R):
+                for r in T.Parallel(BR):
                     total[r] = total[r] + part[r]
-            for r in T.Parallel(R):
-                if r_blk * R + r < N:
-                    Delta[r_blk * R + r] = total[r]
+            for r in T.Parallel(BR):
+                n = r_blk * BR + r
+                if n < R * H_pad:
+                    row = n // H_pad
+                    h = n % H_pad
+                    if h < H:
+                        lse = Lse[row, h]
+                        sink2 = Sink[h] * LOG2E
+                        lse2 = lse
+                        if natural:
+                            a = lse * LOG2E
+                            hi = T.max(a, sink2)
+                            # an infinite larger term is the result (also -inf for both, not
+                            # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
+                            lse2 = T.if_then_else(
+                                lse != lse, lse,
+                                T.if_then_else(hi == ninf or hi == -ninf, hi,
+                                               hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
+                        lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
+                        Delta[row, h] = total[r]
+                        Lse2[row, h] = lse2
+                        DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
+                    else:
+                        Delta[row, h] = 0.0
+                        Lse2[row, h] = 0.0
+                        DSink[row, h] = 0.0
 
     return sparse_bwd_preprocess
 
