@@ -12,8 +12,9 @@ printed lines go into docs/performance.md.
 ``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)``;
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks; ``...,False`` gives the one-role kernel for 64-head tiles, ``...,True,1`` the
-two-warpgroup kernel with one dKV chunk per block on its scores warpgroup).  Above, the plain
+wg0_chunks, overlap, w1_right, idx_shfl; ``None`` is the kernel's default; ``...,False`` gives
+the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
+chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute.
 """
@@ -41,8 +42,8 @@ SHAPES = dict(model.SHAPES, **{s.name: s for s in (
 
 
 def parse_static(text):
-    return tuple({"True": True, "False": False}[t] if t in ("True", "False") else int(t)
-                 for t in text.split(","))
+    words = {"True": True, "False": False, "None": None}  # None: the kernel's default
+    return tuple(words[t] if t in words else int(t) for t in text.split(","))
 
 
 class Variant(interface.TileLangKernels):
