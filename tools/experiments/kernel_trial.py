@@ -64,7 +64,12 @@ class Variant(interface.TileLangKernels):
         if self.fwd_extra is None or heads_per_cta != 64:
             return super().fwd(heads_per_cta, q, kv, indices, sink, scale, out, lse)
         key = ("fwd", 64, DK, DV) + self.fwd_extra
-        self._timed(key)(q, kv, indices, sink, scale, out, lse)
+        # (block_k, threads, stages, warp_specialized, mask_early, persistent): the persistent
+        # kernel takes its grid, the SM count
+        persistent = len(self.fwd_extra) > 5 and self.fwd_extra[5]
+        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count,) \
+            if persistent else ()
+        self._timed(key)(q, kv, indices, sink, scale, out, lse, *grid)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):

@@ -64,6 +64,9 @@ class TensorOps:
     def shape(self, t) -> tuple: ...
     def device_kind(self, t) -> str: ...
     def is_contiguous(self, t) -> bool: ...
+    def num_sms(self, t) -> int:
+        """Streaming multiprocessors of the CUDA device ``t`` is on (a persistent kernel's
+        grid)."""
 
     # --- creation (on the device of ``like``) ---------------------------------------------
     def empty(self, shape: Sequence[int], dtype: str, like): ...
@@ -145,6 +148,10 @@ class _PaddleOps(TensorOps):
 
     def is_contiguous(self, t):
         return bool(t.is_contiguous())
+
+    def num_sms(self, t):
+        return int(self.p.device.cuda.get_device_properties(t.place.gpu_device_id())
+                   .multi_processor_count)
 
     def empty(self, shape, dtype, like):
         out = self.p.empty(list(shape), dtype=self._dt(dtype))
@@ -287,6 +294,9 @@ class _TorchOps(TensorOps):
 
     def is_contiguous(self, t):
         return bool(t.is_contiguous())
+
+    def num_sms(self, t):
+        return int(self.t.cuda.get_device_properties(t.device).multi_processor_count)
 
     def empty(self, shape, dtype, like):
         return self.t.empty(tuple(shape), dtype=self._dt(dtype), device=like.device)

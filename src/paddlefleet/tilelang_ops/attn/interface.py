@@ -72,6 +72,7 @@ class TileLangKernels:
     def __init__(self):
         # compiled kernels by static key: skips TileLang's argument binding on every call
         self._kernels = {}
+        self._sms = {}
 
     def _kernel(self, key):
         kernel = self._kernels.get(key)
@@ -82,8 +83,18 @@ class TileLangKernels:
         return kernel
 
     def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
+        from .kernels import fwd_persistent
+
         key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
-        self._kernel(key)(q, kv, indices, sink, scale, out, lse)
+        grid = (self._num_sms(q),) if fwd_persistent(heads_per_cta) else ()
+        self._kernel(key)(q, kv, indices, sink, scale, out, lse, *grid)
+
+    def _num_sms(self, t):
+        # per device, asked once (a persistent kernel's grid)
+        dev = str(getattr(t, "device", None) or t.place)
+        if dev not in self._sms:
+            self._sms[dev] = ops_for(t).num_sms(t)
+        return self._sms[dev]
 
     def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
         self._kernel(("bwd_pre", int(out.shape[-1]), bool(natural)))(

@@ -31,6 +31,8 @@ LN2 = 0.6931471805599453
 #: The 64-head forward's score warpgroup reads a key block's slot indices (its -inf mask) before
 #: it waits for the block's keys, so that the load's latency hides under the wait (a trial).
 MASK_EARLY = False
+#: The 64-head forward as a persistent kernel (:func:`_persistent`), one CTA per SM.
+PERSISTENT = False
 
 
 @T.macro
@@ -82,7 +84,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               mask_early: bool | None = None, persistent: int = 0):
+               mask_early: bool | None = None, persistent: bool | None = None):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -101,8 +103,10 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
+    if persistent is None:
+        persistent = PERSISTENT
     if warp_specialized and persistent:
-        return _persistent(heads_per_cta, d_qk, d_v, block_k, persistent)
+        return _persistent(heads_per_cta, d_qk, d_v, block_k)
     if warp_specialized:
         return _warp_specialized(heads_per_cta, d_qk, d_v, block_k,
                                  MASK_EARLY if mask_early is None else bool(mask_early))
@@ -394,10 +398,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
 
 
 
-def _persistent(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, ctas: int):
-    """A trial (not the default): the 64-head forward of :func:`_warp_specialized` as a
-    persistent kernel of ``ctas`` CTAs, each walking the (row, head group) items ``cta, cta +
-    ctas, ...``, so that one item's epilogue and the next item's query load and first gathers
+def _persistent(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
+    """The 64-head forward of :func:`_warp_specialized` as a persistent kernel of ``ctas`` CTAs
+    (a scalar argument after ``Lse``: the host passes the SM count), each walking the (row,
+    head group) items ``cta, cta + ctas, ...``, so that one item's epilogue and the next item's query load and first gathers
     overlap (run 24's fit: ~13 us per CTA of prologue and epilogue that no other CTA hides, one
     CTA per SM).  The producer loads the next item's query tile once warpgroup 0 has issued the
     current item's last score GEMMs (``q_free``); the outputs go to global memory straight from
@@ -469,6 +473,7 @@ def _persistent(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, ctas: int
         Scale: T.Tensor([1], acc_t),
         O: T.Tensor([B, S, H_pad, D], dtype),
         Lse: T.Tensor([B, S, H_pad], acc_t),
+        ctas: T.int32,
     ):
         with T.Kernel(ctas, threads=3 * WG) as cta:
             Q_l = T.alloc_shared([M, DH], dtype)
