@@ -334,3 +334,22 @@ def test_persistent_forward_takes_its_grid():
     assert "int ctas)" in src and "q_free[0].arrive()" in src and "q_free[0].wait(" in src
     plain = _lower("fwd", (64, 576, 512)).kernel_source
     assert "ctas" not in plain and "q_free" not in plain
+
+
+@pytest.mark.parametrize("has_sink, has_lse", [(True, True), (False, False)])
+def test_value_stats_lowers_and_reads_what_it_checks(has_sink, has_lse):
+    """The value checks' kernel lowers for sm_90a; it reads the lse (with a NaN test the
+    simplifier keeps: ``x != x`` written in the DSL was folded to false, so the kernel uses
+    ``T.isnan``) and the sink only when asked to."""
+    src = _lower("value_stats", (has_sink, has_lse)).kernel_source
+    assert ("Lse[" in src) == has_lse and ("Sink[" in src) == has_sink
+    if has_lse:
+        assert "x != x" in src or "isnan" in src
+
+
+def test_preprocess_keeps_a_nan_lse():
+    """The backward preprocess passes a NaN lse on as NaN: its NaN test survives lowering (a
+    ``lse != lse`` in the DSL was folded away, and max() drops a NaN, so a NaN lse became
+    ``sink + 1``)."""
+    src = _lower("bwd_pre", (512, True)).kernel_source
+    assert "lse2 != lse2" in src or "isnan" in src

@@ -448,9 +448,9 @@ def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
     cu, q, kv, idx, sk, grad, d_v = _packed(rng, [5, 11])
     launched = []
 
-    def fake_check(query, kv_, token_indices, sm_scale, attn_sink, check_indices, device, *,
+    def fake_check(query, kv_, token_indices, sm_scale, attn_sink, check_indices, provider, *,
                    d_v):
-        assert check_indices is True and device == "cuda"
+        assert check_indices is True and provider == "provider"  # the default provider
         dims = check_tensors(query, kv_, token_indices, attn_sink=attn_sink, d_v=d_v)
         check_values(dims, token_indices, attn_sink=attn_sink)
         launched.append("check")

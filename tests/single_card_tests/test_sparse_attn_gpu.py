@@ -676,10 +676,10 @@ def test_new_shapes_do_not_recompile():
         assert rel_l2(dq.float(), ref_dq) < TOL and rel_l2(dkv.float(), ref_dkv) < TOL
     assert sorted({k[0] for k in prov._kernels}) == [
         "bwd_finish", "bwd_main", "bwd_pre", "fwd", "grid_keys", "grid_rows", "grid_scatter",
-        "rerun_plan", "rerun_slots"]
-    # fwd, pre, main exact with dq and its re-run, finish, the exact dKV's five bookkeeping
-    # kernels
-    assert len(prov._kernels) == 10
+        "rerun_plan", "rerun_slots", "value_stats"]
+    # the value checks (forward: sink; backward: sink and lse), fwd, pre, main exact with dq
+    # and its re-run, finish, the exact dKV's five bookkeeping kernels
+    assert len(prov._kernels) == 12
 
 
 def test_bad_inputs_raise():
@@ -695,6 +695,46 @@ def test_bad_inputs_raise():
         interface.mqa_latent_sparse_fwd(q.cpu(), kv.cpu(), idx.cpu(), SM_SCALE)
     with pytest.raises(ValueError, match="block_h"):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, block_h=64)
+
+
+@pytest.mark.parametrize("has_sink, has_lse", [(True, True), (False, True), (True, False),
+                                               (False, False)])
+def test_value_stats_kernel(has_sink, has_lse):
+    """The value checks' kernel (``kernels/value_stats.py``) against numpy: the index range
+    (-1 slots, one index far out of range, more elements than its grid's threads so every
+    thread strides), the NaN/+inf sinks (-inf allowed), the NaN lse; the wrappers raise on each
+    through it, naming the tensor; int64 indices take the framework path (None)."""
+    rng = np.random.default_rng(3)
+    idx = rng.integers(-1, 5000, (3, 300, 200)).astype(np.int32)
+    idx[2, 299, 199] = 123456
+    sink = rng.standard_normal(37).astype(np.float32)
+    sink[[3, 9, 20]] = [np.nan, np.inf, -np.inf]
+    lse = rng.standard_normal((3, 300, 37)).astype(np.float32)
+    lse[1, 7, [4, 5]] = np.nan
+    lse[0, 0, 0] = -np.inf
+    t = lambda a: torch.from_numpy(a).cuda()
+    prov = interface.TileLangKernels()
+    got = prov.value_stats(t(idx), t(sink) if has_sink else None, t(lse) if has_lse else None)
+    want = [idx.min(), idx.max(), 2 if has_sink else 0, 2 if has_lse else 0]
+    assert [int(v) for v in got] == want
+    assert prov.value_stats(t(idx.astype(np.int64)), None, None) is None
+    assert prov.value_stats(t(idx)[:, ::2], None, None) is None  # not contiguous
+
+    case = dict(B=1, S=8, S_kv=64, H=8, L=64, sink=True)
+    q, kv, do, sk, ix = _inputs(case, 2)
+    out, lse_t = interface.mqa_latent_sparse_fwd(q, kv, ix, SM_SCALE, sk)
+    bad_sink = sk.clone()
+    bad_sink[1] = float("nan")
+    with pytest.raises(ValueError, match="attn_sink"):
+        interface.mqa_latent_sparse_fwd(q, kv, ix, SM_SCALE, bad_sink)
+    bad_lse = lse_t.clone()
+    bad_lse[0, 3, 2] = float("nan")
+    with pytest.raises(ValueError, match="lse"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, bad_lse, sk, ix, SM_SCALE)
+    bad_idx = ix.clone()
+    bad_idx[0, 1, 5] = -2
+    with pytest.raises(ValueError, match=r"token_indices.*\[-2, "):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse_t, sk, bad_idx, SM_SCALE)
 
 
 def test_forward_at_extreme_logits():

@@ -300,7 +300,7 @@ def _check_value_width(shapes: dict, d_v, B: int, S: int, H: int, Dk: int) -> in
 
 
 def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
-                 lse: Any = None) -> None:
+                 lse: Any = None, stats: Any = None) -> None:
     """Check the values of a call's tensors, already accepted by :func:`check_tensors`.
 
     One device-to-host transfer of a few scalars (a GPU stream sync): every read is a sync that
@@ -313,6 +313,9 @@ def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
             ``[0, S_kv)``.
         attn_sink: ``[H]`` or ``None``; finite or ``-inf`` (that head has no sink).
         lse: ``[B, S, H]`` or ``None``; no NaN (``+inf`` and ``-inf`` are allowed).
+        stats: optional ``stats(token_indices, attn_sink, lse)`` giving the four numbers below
+            in one kernel launch (the wrappers pass their provider's ``value_stats``), or
+            ``None`` where it does not apply; then framework reductions compute them.
 
     Raises:
         ValueError: an index outside ``[-1, S_kv)`` (the range found is named), a NaN or
@@ -320,16 +323,22 @@ def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
             count is named).
     """
     ops = ops_for(token_indices, attn_sink, lse)
+    # (min index, max index, NaN/+inf sinks, NaN lse)
+    four = stats(token_indices, attn_sink, lse) if stats is not None else None
+    if four is not None:
+        vals = [int(four[0]), int(four[1])]
+        vals += [int(four[2])] if attn_sink is not None else []
+        vals += [int(four[3])] if lse is not None else []
+    else:
+        def _one(t):
+            return ops.reshape(ops.cast(t, "int64"), [1])
 
-    def _one(t):
-        return ops.reshape(ops.cast(t, "int64"), [1])
-
-    stats = [_one(ops.amin(token_indices)), _one(ops.amax(token_indices))]
-    if attn_sink is not None:
-        stats.append(_one(ops.sum(ops.cast(~(attn_sink < math.inf), "int64"))))  # NaN, +inf
-    if lse is not None:
-        stats.append(_one(ops.sum(ops.cast(lse != lse, "int64"))))  # NaN != NaN
-    vals = [int(v) for v in np.asarray(ops.to_numpy(ops.concat(stats, 0))).tolist()]
+        parts = [_one(ops.amin(token_indices)), _one(ops.amax(token_indices))]
+        if attn_sink is not None:
+            parts.append(_one(ops.sum(ops.cast(~(attn_sink < math.inf), "int64"))))  # NaN, +inf
+        if lse is not None:
+            parts.append(_one(ops.sum(ops.cast(lse != lse, "int64"))))  # NaN != NaN
+        vals = [int(v) for v in np.asarray(ops.to_numpy(ops.concat(parts, 0))).tolist()]
     lo, hi = vals[0], vals[1]
     if lo < -1 or hi >= dims.S_kv:
         raise ValueError(

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import tiling
 from .adapter import ops_for, type_name
 from .checks import check_sm_scale, check_tensors, check_values
@@ -88,6 +90,28 @@ class TileLangKernels:
         key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
         grid = (self._num_sms(q),) if fwd_persistent(heads_per_cta) else ()
         self._kernel(key)(q, kv, indices, sink, scale, out, lse, *grid)
+
+    def value_stats(self, token_indices, attn_sink, lse):
+        """``(min index, max index, NaN/+inf sinks, NaN lse)`` as a numpy array, from one kernel
+        (``kernels/value_stats.py``) and one device-to-host read; ``None`` (the caller falls back
+        to framework reductions) unless every tensor is on CUDA and the indices are contiguous
+        int32 (int64 values must be checked before any cast to int32)."""
+        ts = [t for t in (token_indices, attn_sink, lse) if t is not None]
+        ops = ops_for(*ts)
+        if (any(ops.device_kind(t) != "cuda" for t in ts) or ops.dtype(token_indices) != "int32"
+                or not ops.is_contiguous(token_indices)):
+            return None
+        from .kernels.value_stats import CTAS
+
+        part = ops.empty((CTAS, 4), "int32", token_indices)
+        dummy = None if attn_sink is not None and lse is not None else \
+            ops.empty((1,), "float32", token_indices)
+        flat = [ops.reshape(ops.contiguous(t), (-1,)) if t is not None else dummy
+                for t in (attn_sink, lse)]
+        self._kernel(("value_stats", attn_sink is not None, lse is not None))(
+            ops.reshape(token_indices, (-1,)), flat[0], flat[1], part)
+        p = np.asarray(ops.to_numpy(part), dtype=np.int64)
+        return np.array([p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), p[:, 3].sum()])
 
     def _num_sms(self, t):
         # per device, asked once (a persistent kernel's grid)
@@ -305,7 +329,7 @@ def mqa_latent_sparse_fwd(
     """
     provider = provider or _DEFAULT_PROVIDER
     dims, sm_scale = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
-                                   check_indices, provider.device, d_v=d_v)
+                                   check_indices, provider, d_v=d_v)
     return _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h)
 
 
@@ -380,7 +404,7 @@ def mqa_latent_sparse_bwd(
         raise ValueError(f"lse_format: expected 'natural' or 'log2_sink', got {lse_format!r}")
     _check_bool(deterministic, "deterministic")
     dims, sm_scale = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
-                                   check_indices, provider.device, out=out, grad_out=grad_out,
+                                   check_indices, provider, out=out, grad_out=grad_out,
                                    lse=lse)
     return _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices,
                 sm_scale, block_h, deterministic, lse_format)
@@ -441,7 +465,7 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
 
 
 # --- the wrappers' input checks, run once per call --------------------------------------------
-def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, device, *,
+def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, provider, *,
                   d_v=None, out=None, grad_out=None, lse=None):
     """The wrappers' checks: tensors (bf16 on ``device``), their values unless
     ``check_indices`` is False, ``sm_scale``.  A forward passes ``d_v``; a backward passes
@@ -449,8 +473,10 @@ def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, 
     Returns ``(dims, sm_scale as a float)``."""
     check = _check_bool(check_indices, "check_indices")
     dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
-                         grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",), device=device,
+                         grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",),
+                         device=provider.device,
                          required=() if d_v is not None else ("out", "grad_out", "lse"))
     if check:
-        check_values(dims, token_indices, attn_sink=attn_sink, lse=lse)
+        check_values(dims, token_indices, attn_sink=attn_sink, lse=lse,
+                     stats=getattr(provider, "value_stats", None))
     return dims, check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it

@@ -87,8 +87,9 @@ def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kin
     """The op's input checks, the only ones of a call: on CUDA the kernel wrapper's rules (bf16,
     values included: one device->host read), on CPU the generic ones.  Returns the sizes."""
     if device_kind == "cuda":
-        dims, _ = _interface()._check_inputs(query, kv, token_indices, sm_scale, attn_sink,
-                                             True, "cuda", d_v=d_v)
+        iface = _interface()
+        dims, _ = iface._check_inputs(query, kv, token_indices, sm_scale, attn_sink, True,
+                                      iface._DEFAULT_PROVIDER, d_v=d_v)
         return dims
     dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v)
     check_values(dims, token_indices, attn_sink=attn_sink)

@@ -27,9 +27,9 @@ D_QK, D_V = 576, 512
 
 def builders() -> dict:
     """``{name: TileLang jit function}`` of every kernel."""
-    from . import exact_grid, sparse_bwd, sparse_fwd
+    from . import exact_grid, sparse_bwd, sparse_fwd, value_stats
 
-    return {"fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
+    return {"value_stats": value_stats.value_stats, "fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
             "bwd_main": sparse_bwd.main, "bwd_finish": sparse_bwd.finish,
             "grid_rows": exact_grid.grid_rows, "grid_scatter": exact_grid.grid_scatter,
             "grid_keys": exact_grid.grid_keys, "rerun_plan": exact_grid.rerun_plan,
@@ -61,7 +61,9 @@ def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
 def specs(heads=HEAD_TILES) -> list:
     """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given
     (the exact dKV's bookkeeping kernels do not depend on the head tile: always listed)."""
-    out = [("bwd_pre", (D_V, True)), ("bwd_pre", (D_V, False)), ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()),
+    out = [("value_stats", (True, False)), ("value_stats", (False, False)),
+           ("value_stats", (True, True)), ("value_stats", (False, True)),
+           ("bwd_pre", (D_V, True)), ("bwd_pre", (D_V, False)), ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()),
            ("grid_keys", ()), ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
     for m in heads:
         out.append(("fwd", (m, D_QK, D_V)))

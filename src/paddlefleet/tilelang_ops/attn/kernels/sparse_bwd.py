@@ -165,8 +165,9 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
                             hi = T.max(a, sink2)
                             # an infinite larger term is the result (also -inf for both, not
                             # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
+                            # (T.isnan: the simplifier folds x != x to false)
                             lse2 = T.if_then_else(
-                                lse != lse, lse,
+                                T.isnan(lse), lse,
                                 T.if_then_else(hi == ninf or hi == -ninf, hi,
                                                hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
                         lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)

@@ -1,0 +1,75 @@
+"""TileLang kernel behind the wrappers' value checks (``checks.check_values``): one launch
+instead of ~10 framework reductions before the check's device-to-host read (which is a stream
+sync, so every launch before it is exposed host time: docs/performance.md, run 41).
+
+``value_stats``   a fixed grid of ``CTAS`` CTAs strides over the (contiguous, int32) top-k
+                  indices and the lse; CTA ``g`` writes ``Part[g] = (min index, max index,
+                  NaN/+inf sinks, NaN lse)`` (the sinks are counted by CTA 0 only).  The host
+                  reduces the ``CTAS`` rows (min, max, sum): no atomics, no zeroed output.
+"""
+
+from ... import settings
+
+tilelang = settings.import_tilelang()
+from tilelang import language as T  # noqa: E402
+
+__all__ = ["value_stats", "CTAS"]
+
+CTAS = 256
+INT_MAX = 2**31 - 1
+INT_MIN = -(2**31)
+
+
+@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
+def value_stats(has_sink: bool, has_lse: bool, threads: int = 256):
+    """``Part [CTAS, 4] int32`` from ``Indices [N] int32``, ``Sink [H] fp32`` (read if
+    ``has_sink``) and ``Lse [M] fp32`` (read if ``has_lse``); ``N``, ``H``, ``M`` dynamic.  A CTA
+    with no index to read reports ``(INT_MAX, INT_MIN, ...)``."""
+    N = T.dynamic("N")
+    H = T.dynamic("H")
+    M = T.dynamic("M")
+    stride = CTAS * threads
+
+    @T.prim_func
+    def value_stats_kernel(
+        Indices: T.Tensor([N], "int32"),
+        Sink: T.Tensor([H], "float32"),
+        Lse: T.Tensor([M], "float32"),
+        Part: T.Tensor([CTAS, 4], "int32"),
+    ):
+        with T.Kernel(CTAS, threads=threads) as g:
+            acc = T.alloc_local([4], "int32")
+            red = T.alloc_shared([threads, 4], "int32")
+            tx = T.get_thread_binding()
+            first = g * threads + tx
+            acc[0] = INT_MAX
+            acc[1] = INT_MIN
+            acc[2] = 0
+            acc[3] = 0
+            for i in T.serial(T.ceildiv(N - first, stride)):
+                v = Indices[first + i * stride]
+                acc[0] = T.min(acc[0], v)
+                acc[1] = T.max(acc[1], v)
+            if has_lse:
+                for i in T.serial(T.ceildiv(M - first, stride)):
+                    x = Lse[first + i * stride]
+                    # T.isnan: the simplifier folds x != x to false
+                    acc[3] = acc[3] + T.if_then_else(T.isnan(x), 1, 0)
+            if has_sink:
+                if g == 0:
+                    for i in T.serial(T.ceildiv(H - tx, threads)):
+                        x = Sink[tx + i * threads]
+                        # NaN and +inf (not x < inf); -inf is allowed (no sink for that head)
+                        acc[2] = acc[2] + T.if_then_else(x < T.infinity("float32"), 0, 1)
+            for e in T.serial(4):
+                red[tx, e] = acc[e]
+            if tx == 0:
+                for r in T.serial(threads - 1):
+                    acc[0] = T.min(acc[0], red[r + 1, 0])
+                    acc[1] = T.max(acc[1], red[r + 1, 1])
+                    acc[2] = acc[2] + red[r + 1, 2]
+                    acc[3] = acc[3] + red[r + 1, 3]
+                for e in T.serial(4):
+                    Part[g, e] = acc[e]
+
+    return value_stats_kernel
