@@ -267,12 +267,15 @@ class CpuStandIn:
         _write(lse, l_all)
 
     def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
-        # out, do [R, H, Dv]; lse [R, H]; sink [H] (-inf: none); outputs [R, H_pad], 0 at pad
+        # out, do [R H, Dv]; lse [R H]; sink [H] (-inf: none); outputs [R, H_pad], 0 at pad
         # heads.  The bridge in fp64 (the kernel's in fp32, the same formula)
         self.calls.append(("pre", bool(natural)))
-        O, DO = to_numpy(out).astype(np.float64), to_numpy(do).astype(np.float64)
-        LSE, SINK = to_numpy(lse).astype(np.float64), to_numpy(sink).astype(np.float64)
-        R, H, _ = O.shape
+        SINK = to_numpy(sink).astype(np.float64)
+        H = SINK.shape[0]
+        R = to_numpy(delta).shape[0]
+        O = to_numpy(out).astype(np.float64).reshape(R, H, -1)
+        DO = to_numpy(do).astype(np.float64).reshape(R, H, -1)
+        LSE = to_numpy(lse).astype(np.float64).reshape(R, H)
         DEL = np.zeros(to_numpy(delta).shape)
         L2, DS = np.zeros(DEL.shape), np.zeros(DEL.shape)
         DEL[:, :H] = (O * DO).sum(-1)

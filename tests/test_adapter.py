@@ -210,3 +210,14 @@ def test_gather_and_scatter_add_rows(fw, rng):
             want[b, idx[b, s, l]] += contrib[b, s, l]
         np.testing.assert_allclose(ops.to_numpy(got), want, rtol=1e-13, atol=1e-13)
         np.testing.assert_array_equal(ops.to_numpy(dst), dst0)  # out of place
+
+
+def test_read_later_gives_the_values_at_the_time_of_the_call(fw):
+    """``read_later`` (the value checks' copy to the host): the numbers as they were when it was
+    called, also if the tensor changes before they are read (on CPU and Paddle the copy is made
+    at once; PyTorch CUDA copies asynchronously, GPU suite)."""
+    t = fw.t(np.array([3, -1, 7], dtype=np.int32))
+    ops = ops_for(t)
+    get = ops.read_later(t)
+    t[0] = 100
+    np.testing.assert_array_equal(get(), [3, -1, 7])

@@ -233,9 +233,9 @@ def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
          for k, v in dict(out=out, do=do, lse=lse, sink=sink).items()}
     ops = ops_for(t["lse"])
     got = [ops.zeros((B * S, h_pad), "float32", t["lse"]) for _ in range(3)]
-    CpuStandIn().bwd_preprocess(natural, ops.reshape(t["out"], (B * S, H, DV)),
-                                ops.reshape(t["do"], (B * S, H, DV)),
-                                ops.reshape(t["lse"], (B * S, H)), t["sink"], *got)
+    CpuStandIn().bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
+                                ops.reshape(t["do"], (B * S * H, DV)),
+                                ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
     delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got)
 
     # the former framework code (interface._bwd and _d_sink before run 41), in numpy
@@ -326,17 +326,38 @@ def test_bad_inputs_raise_naming_theto_tensor(fw):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_deferred_value_checks_raise_before_any_index_is_read(fw):
+    """The wrappers launch their value checks early and wait for them late (run 41), but no
+    kernel that reads an index runs before a bad value raises: the forward launches nothing,
+    the backward only its preprocess (which reads out, dO, lse and the sink)."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=6)
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    bad = to_numpy(idx).astype(np.int32)
+    bad[0, 2, 5] = 64  # = S_kv
+    bad = to_tensor(fw, bad, "int32")
+    prov.calls.clear()
+    with pytest.raises(ValueError, match="token_indices"):
+        interface.mqa_latent_sparse_fwd(q, kv, bad, SM, sk, provider=prov)
+    assert prov.calls == []
+    with pytest.raises(ValueError, match="token_indices"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov)
+    assert [c[0] for c in prov.calls] == ["pre"]
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_each_wrapper_checks_once(fw, monkeypatch):
     """One call, one tensor check and one value read (they used to run twice in places)."""
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=4)
     prov = CpuStandIn()
     calls = []
-    record_calls(monkeypatch, calls, interface, "check_tensors", "check_values")
+    record_calls(monkeypatch, calls, interface, "check_tensors", "check_values",
+                 "start_value_checks")
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    assert calls == ["check_tensors", "check_values"]
+    assert calls == ["check_tensors", "start_value_checks"]
     calls.clear()
     interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
-    assert calls == ["check_tensors", "check_values"]
+    assert calls == ["check_tensors", "start_value_checks"]
 
 
 def test_readme_shows_the_wrappers_signatures():

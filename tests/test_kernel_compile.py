@@ -315,27 +315,6 @@ def test_w1_right_moves_the_right_gather_to_warpgroup_1():
     assert "acc_dq_t" not in src[wg0:wg1_start] and "acc_dq_t" in src[wg1_start:]
 
 
-def test_idx_shfl_gathers_through_shuffles():
-    """``idx_shfl`` (``sparse_bwd._two_warpgroups``, a trial knob): warpgroup 0 reads each key
-    block's slot indices once, one per lane, a block early, and every 16-byte gather copy takes
-    its row from a warp shuffle; without it the copies read the indices from global memory."""
-    args = (64, 576, 512, "exact", True, 64, 256, 1, 128, None, None, None, False, None)
-    on = _lower("bwd_main", args + (True,)).kernel_source
-    off = _lower("bwd_main", args + (False,)).kernel_source
-    assert "__shfl_sync" not in off and on.count("__shfl_sync") >= 5
-    assert "nidx" in on and "nidx" not in off
-
-
-def test_persistent_forward_takes_its_grid():
-    """The persistent 64-head forward (``sparse_fwd._persistent``) launches ``ctas`` CTAs (a
-    scalar argument, the SM count) that walk every (row, head group) item; the query tile is
-    reloaded per item once warpgroup 0 has released it (``q_free``)."""
-    src = _lower("fwd", (64, 576, 512, 64, 256, 1, None, None, True)).kernel_source
-    assert "int ctas)" in src and "q_free[0].arrive()" in src and "q_free[0].wait(" in src
-    plain = _lower("fwd", (64, 576, 512)).kernel_source
-    assert "ctas" not in plain and "q_free" not in plain
-
-
 @pytest.mark.parametrize("has_sink, has_lse", [(True, True), (False, False)])
 def test_value_stats_lowers_and_reads_what_it_checks(has_sink, has_lse):
     """The value checks' kernel lowers for sm_90a; it reads the lse (with a NaN test the
@@ -344,7 +323,7 @@ def test_value_stats_lowers_and_reads_what_it_checks(has_sink, has_lse):
     src = _lower("value_stats", (has_sink, has_lse)).kernel_source
     assert ("Lse[" in src) == has_lse and ("Sink[" in src) == has_sink
     if has_lse:
-        assert "x != x" in src or "isnan" in src
+        assert "x != x" in src or "isnan" in src  # CUDA's NaN test as TileLang writes T.isnan
 
 
 def test_preprocess_keeps_a_nan_lse():
@@ -352,4 +331,5 @@ def test_preprocess_keeps_a_nan_lse():
     ``lse != lse`` in the DSL was folded away, and max() drops a NaN, so a NaN lse became
     ``sink + 1``)."""
     src = _lower("bwd_pre", (512, True)).kernel_source
-    assert "lse2 != lse2" in src or "isnan" in src
+    # CUDA's NaN test as TileLang writes T.isnan: x != x (or isnan)
+    assert re.search(r"(\bLse\[[^\]]*\]|\blse\w*) != (\bLse\[|\blse)", src) or "isnan" in src

@@ -46,6 +46,7 @@ if cuda_available():
         cu_seqlens_from_lengths,
         varlen_causal_topk_indices,
     )
+    from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
     from paddlefleet.tilelang_ops.attn.reference import (
         mqa_latent_sparse_bwd_ref,
         mqa_latent_sparse_fwd_ref,
@@ -121,7 +122,8 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(natural, out, do, lse,
                                                                            sink, *v),
                       [("delta", delta, True), ("lse2", lse2, True),
-                       ("d_sink_rows", d_sink_rows, True)], whole=True)
+                       ("d_sink_rows", d_sink_rows, True)],
+                      whole=not bool(torch.isnan(lse).any()))  # a NaN lse gives NaN (= poison)
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
                      counts, dq, acc, bound, bound_exp):
@@ -281,7 +283,7 @@ def test_against_reference(case):
     assert dq.shape == q.shape and dkv.shape == kv.shape and ds.shape == (H,)
 
     # the base-2 sink-inclusive LSE form gives the same gradients
-    lse2 = interface.lse_natural_to_log2_sink(lse, sink)
+    lse2 = lse_natural_to_log2_sink(lse, sink)
     dq2, dkv2, ds2 = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse2, sink, idx, SM_SCALE,
                                                      block_h=bh, lse_format="log2_sink",
                                                      provider=prov)
@@ -570,8 +572,9 @@ def test_preprocess_kernel_matches_the_stand_in(natural):
     sink[2] = -float("inf")  # lse[5, 2] = -inf there too: no key, no sink
     got = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
     want = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
-    GuardedKernels().bwd_preprocess(natural, out, do, lse, sink, *got)
-    CpuStandIn().bwd_preprocess(natural, out, do, lse, sink, *want)
+    args = (out.reshape(R * H, DV), do.reshape(R * H, DV), lse.reshape(R * H), sink)
+    GuardedKernels().bwd_preprocess(natural, *args, *got)
+    CpuStandIn().bwd_preprocess(natural, *args, *want)
     # (rtol, atol): fp32 sums of 512 products (|terms| sum to ~400); lse2 ~ 1 ulp of |lse2|
     # <= 60; exp2 of a rounded exponent near 40 times Delta
     tols = {"delta": (1e-5, 1e-3), "lse2": (1e-6, 1e-5), "d_sink_rows": (1e-4, 1e-3)}
@@ -703,7 +706,8 @@ def test_value_stats_kernel(has_sink, has_lse):
     """The value checks' kernel (``kernels/value_stats.py``) against numpy: the index range
     (-1 slots, one index far out of range, more elements than its grid's threads so every
     thread strides), the NaN/+inf sinks (-inf allowed), the NaN lse; the wrappers raise on each
-    through it, naming the tensor; int64 indices take the framework path (None)."""
+    through it (checks launched early, read through an asynchronous copy), naming the tensor;
+    int64 or non-contiguous indices take the framework path (None)."""
     rng = np.random.default_rng(3)
     idx = rng.integers(-1, 5000, (3, 300, 200)).astype(np.int32)
     idx[2, 299, 199] = 123456
@@ -714,7 +718,9 @@ def test_value_stats_kernel(has_sink, has_lse):
     lse[0, 0, 0] = -np.inf
     t = lambda a: torch.from_numpy(a).cuda()
     prov = interface.TileLangKernels()
-    got = prov.value_stats(t(idx), t(sink) if has_sink else None, t(lse) if has_lse else None)
+    rows = prov.value_stats(t(idx), t(sink) if has_sink else None, t(lse) if has_lse else None)
+    rows = rows.cpu().numpy().astype(np.int64)  # one row per CTA
+    got = [rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].sum(), rows[:, 3].sum()]
     want = [idx.min(), idx.max(), 2 if has_sink else 0, 2 if has_lse else 0]
     assert [int(v) for v in got] == want
     assert prov.value_stats(t(idx.astype(np.int64)), None, None) is None

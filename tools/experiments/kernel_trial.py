@@ -12,7 +12,7 @@ printed lines go into docs/performance.md.
 ``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)``;
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right, idx_shfl; ``None`` is the kernel's default; ``...,False`` gives
+wg0_chunks, overlap, w1_right; ``None`` is the kernel's default; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
 chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
@@ -64,12 +64,7 @@ class Variant(interface.TileLangKernels):
         if self.fwd_extra is None or heads_per_cta != 64:
             return super().fwd(heads_per_cta, q, kv, indices, sink, scale, out, lse)
         key = ("fwd", 64, DK, DV) + self.fwd_extra
-        # (block_k, threads, stages, warp_specialized, mask_early, persistent): the persistent
-        # kernel takes its grid, the SM count
-        persistent = len(self.fwd_extra) > 5 and self.fwd_extra[5]
-        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count,) \
-            if persistent else ()
-        self._timed(key)(q, kv, indices, sink, scale, out, lse, *grid)
+        self._timed(key)(q, kv, indices, sink, scale, out, lse)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):

@@ -64,9 +64,6 @@ class TensorOps:
     def shape(self, t) -> tuple: ...
     def device_kind(self, t) -> str: ...
     def is_contiguous(self, t) -> bool: ...
-    def num_sms(self, t) -> int:
-        """Streaming multiprocessors of the CUDA device ``t`` is on (a persistent kernel's
-        grid)."""
 
     # --- creation (on the device of ``like``) ---------------------------------------------
     def empty(self, shape: Sequence[int], dtype: str, like): ...
@@ -75,6 +72,10 @@ class TensorOps:
     def from_numpy(self, array, like): ...
     def to_numpy(self, t):
         """A host numpy copy; bfloat16 comes back as float32 (exact), since numpy has no bf16."""
+    def read_later(self, t):
+        """Start copying ``t`` to the host and return a function that gives its numpy copy,
+        waiting for that copy only (PyTorch CUDA: an asynchronous copy into pinned memory and an
+        event); elsewhere (Paddle, CPU) the copy is made now, as :meth:`to_numpy`."""
 
     # --- layout ---------------------------------------------------------------------------
     def concat(self, ts: Sequence, axis: int): ...
@@ -149,10 +150,6 @@ class _PaddleOps(TensorOps):
     def is_contiguous(self, t):
         return bool(t.is_contiguous())
 
-    def num_sms(self, t):
-        return int(self.p.device.cuda.get_device_properties(t.place.gpu_device_id())
-                   .multi_processor_count)
-
     def empty(self, shape, dtype, like):
         out = self.p.empty(list(shape), dtype=self._dt(dtype))
         return out.to(like.place) if out.place != like.place else out
@@ -174,6 +171,10 @@ class _PaddleOps(TensorOps):
         if self.dtype(t) == "bfloat16":
             t = t.astype(self.p.float32)
         return t.numpy()
+
+    def read_later(self, t):
+        host = self.to_numpy(t)  # a stream sync, now (no GPU Paddle to measure an async one)
+        return lambda: host
 
     def concat(self, ts, axis):
         return self.p.concat(list(ts), axis=axis)
@@ -295,9 +296,6 @@ class _TorchOps(TensorOps):
     def is_contiguous(self, t):
         return bool(t.is_contiguous())
 
-    def num_sms(self, t):
-        return int(self.t.cuda.get_device_properties(t.device).multi_processor_count)
-
     def empty(self, shape, dtype, like):
         return self.t.empty(tuple(shape), dtype=self._dt(dtype), device=like.device)
 
@@ -318,6 +316,21 @@ class _TorchOps(TensorOps):
         if t.dtype == self.t.bfloat16:  # numpy has no bf16 (torch raises): widen, exactly
             t = t.float()
         return t.cpu().numpy()
+
+    def read_later(self, t):
+        if t.device.type != "cuda" or t.dtype == self.t.bfloat16:
+            host = self.to_numpy(t).copy()  # a CPU tensor's numpy() shares its memory
+            return lambda: host
+        pinned = self.t.empty(t.shape, dtype=t.dtype, pin_memory=True)  # cached by torch
+        pinned.copy_(t.detach(), non_blocking=True)
+        done = self.t.cuda.Event()
+        done.record(self.t.cuda.current_stream(t.device))
+
+        def get():
+            done.synchronize()
+            return pinned.numpy().copy()
+
+        return get
 
     def concat(self, ts, axis):
         return self.t.cat(list(ts), dim=axis)

@@ -55,6 +55,7 @@ __all__ = [
     "Dims",
     "check_tensors",
     "check_values",
+    "start_value_checks",
     "validate_inputs",
     "check_sm_scale",
     "check_compute_dtype",
@@ -313,22 +314,37 @@ def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
             ``[0, S_kv)``.
         attn_sink: ``[H]`` or ``None``; finite or ``-inf`` (that head has no sink).
         lse: ``[B, S, H]`` or ``None``; no NaN (``+inf`` and ``-inf`` are allowed).
-        stats: optional ``stats(token_indices, attn_sink, lse)`` giving the four numbers below
-            in one kernel launch (the wrappers pass their provider's ``value_stats``), or
-            ``None`` where it does not apply; then framework reductions compute them.
+        stats: optional ``stats(token_indices, attn_sink, lse)`` giving, in one kernel launch,
+            a device tensor of rows ``(min index, max index, NaN/+inf sinks, NaN lse)`` (the
+            wrappers pass their provider's ``value_stats``), or ``None`` where it does not
+            apply; then framework reductions compute those numbers.
 
     Raises:
         ValueError: an index outside ``[-1, S_kv)`` (the range found is named), a NaN or
             ``+inf`` in ``attn_sink`` (the heads and values are named), a NaN in ``lse`` (the
             count is named).
     """
+    start_value_checks(dims, token_indices, attn_sink=attn_sink, lse=lse, stats=stats)()
+
+
+def start_value_checks(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
+                       lse: Any = None, stats: Any = None):
+    """:func:`check_values` in two steps: launch the reductions and the copy of their numbers to
+    the host now, and return ``finish()``, which waits for that copy and raises as
+    :func:`check_values` does.  Between the two a caller may launch work that reads no index
+    (the backward's preprocess), so that the GPU is busy while the numbers travel; the wait
+    is a stream sync on Paddle (``adapter.read_later``).  Arguments as :func:`check_values`."""
     ops = ops_for(token_indices, attn_sink, lse)
-    # (min index, max index, NaN/+inf sinks, NaN lse)
-    four = stats(token_indices, attn_sink, lse) if stats is not None else None
-    if four is not None:
-        vals = [int(four[0]), int(four[1])]
-        vals += [int(four[2])] if attn_sink is not None else []
-        vals += [int(four[3])] if lse is not None else []
+    rows = stats(token_indices, attn_sink, lse) if stats is not None else None
+    if rows is not None:
+        read = ops.read_later(rows)
+
+        def numbers():
+            p = np.asarray(read(), dtype=np.int64).reshape(-1, 4)
+            vals = [p[:, 0].min(), p[:, 1].max()]
+            vals += [p[:, 2].sum()] if attn_sink is not None else []
+            vals += [p[:, 3].sum()] if lse is not None else []
+            return [int(v) for v in vals]
     else:
         def _one(t):
             return ops.reshape(ops.cast(t, "int64"), [1])
@@ -338,27 +354,35 @@ def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
             parts.append(_one(ops.sum(ops.cast(~(attn_sink < math.inf), "int64"))))  # NaN, +inf
         if lse is not None:
             parts.append(_one(ops.sum(ops.cast(lse != lse, "int64"))))  # NaN != NaN
-        vals = [int(v) for v in np.asarray(ops.to_numpy(ops.concat(parts, 0))).tolist()]
-    lo, hi = vals[0], vals[1]
-    if lo < -1 or hi >= dims.S_kv:
-        raise ValueError(
-            f"token_indices: expected values -1 (empty slot) or in [0, S_kv={dims.S_kv}), "
-            f"got values in [{lo}, {hi}]"
-        )
-    if attn_sink is not None and vals[2]:
-        # Error path only: read the [H] sink back whole to name the bad heads.
-        sink = np.asarray(ops.to_numpy(attn_sink), dtype=np.float64)
-        bad = np.flatnonzero(~(sink < math.inf))  # NaN and +inf; -inf passes
-        raise ValueError(
-            "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
-            f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
-            f"{bad.tolist()}"
-        )
-    if lse is not None and vals[-1]:
-        raise ValueError(
-            f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
-            f"got {vals[-1]} NaN value(s)"
-        )
+        read = ops.read_later(ops.concat(parts, 0))
+
+        def numbers():
+            return [int(v) for v in np.asarray(read()).tolist()]
+
+    def finish():
+        vals = numbers()
+        lo, hi = vals[0], vals[1]
+        if lo < -1 or hi >= dims.S_kv:
+            raise ValueError(
+                f"token_indices: expected values -1 (empty slot) or in [0, S_kv={dims.S_kv}), "
+                f"got values in [{lo}, {hi}]"
+            )
+        if attn_sink is not None and vals[2]:
+            # Error path only: read the [H] sink back whole to name the bad heads.
+            sink = np.asarray(ops.to_numpy(attn_sink), dtype=np.float64)
+            bad = np.flatnonzero(~(sink < math.inf))  # NaN and +inf; -inf passes
+            raise ValueError(
+                "attn_sink: expected finite values or -inf (-inf = no sink for that head); "
+                f"NaN and +inf are not allowed, got {sink[bad].tolist()} at heads "
+                f"{bad.tolist()}"
+            )
+        if lse is not None and vals[-1]:
+            raise ValueError(
+                f"lse: expected no NaN (+inf marks a row with no key, -inf is allowed), "
+                f"got {vals[-1]} NaN value(s)"
+            )
+
+    return finish
 
 
 def validate_inputs(

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from . import tiling
 from .adapter import ops_for, type_name
-from .checks import check_sm_scale, check_tensors, check_values
+from .checks import check_sm_scale, check_tensors, check_values, start_value_checks
 
 __all__ = [
     "mqa_latent_sparse_fwd",
@@ -74,7 +73,6 @@ class TileLangKernels:
     def __init__(self):
         # compiled kernels by static key: skips TileLang's argument binding on every call
         self._kernels = {}
-        self._sms = {}
 
     def _kernel(self, key):
         kernel = self._kernels.get(key)
@@ -85,17 +83,15 @@ class TileLangKernels:
         return kernel
 
     def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
-        from .kernels import fwd_persistent
-
         key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
-        grid = (self._num_sms(q),) if fwd_persistent(heads_per_cta) else ()
-        self._kernel(key)(q, kv, indices, sink, scale, out, lse, *grid)
+        self._kernel(key)(q, kv, indices, sink, scale, out, lse)
 
     def value_stats(self, token_indices, attn_sink, lse):
-        """``(min index, max index, NaN/+inf sinks, NaN lse)`` as a numpy array, from one kernel
-        (``kernels/value_stats.py``) and one device-to-host read; ``None`` (the caller falls back
-        to framework reductions) unless every tensor is on CUDA and the indices are contiguous
-        int32 (int64 values must be checked before any cast to int32)."""
+        """Rows ``(min index, max index, NaN/+inf sinks, NaN lse)`` ``[CTAS, 4] int32`` on the
+        device, one per CTA of one kernel (``kernels/value_stats.py``; the caller reduces them
+        on the host: ``checks.start_value_checks``); ``None`` (the caller falls back to framework
+        reductions) unless every tensor is on CUDA and the indices are contiguous int32 (int64
+        values must be checked before any cast to int32)."""
         ts = [t for t in (token_indices, attn_sink, lse) if t is not None]
         ops = ops_for(*ts)
         if (any(ops.device_kind(t) != "cuda" for t in ts) or ops.dtype(token_indices) != "int32"
@@ -110,15 +106,8 @@ class TileLangKernels:
                 for t in (attn_sink, lse)]
         self._kernel(("value_stats", attn_sink is not None, lse is not None))(
             ops.reshape(token_indices, (-1,)), flat[0], flat[1], part)
-        p = np.asarray(ops.to_numpy(part), dtype=np.int64)
-        return np.array([p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), p[:, 3].sum()])
+        return part
 
-    def _num_sms(self, t):
-        # per device, asked once (a persistent kernel's grid)
-        dev = str(getattr(t, "device", None) or t.place)
-        if dev not in self._sms:
-            self._sms[dev] = ops_for(t).num_sms(t)
-        return self._sms[dev]
 
     def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
         self._kernel(("bwd_pre", int(out.shape[-1]), bool(natural)))(
@@ -328,17 +317,19 @@ def mqa_latent_sparse_fwd(
             range, ``block_h`` other than 16/32, ``sm_scale <= 0``.
     """
     provider = provider or _DEFAULT_PROVIDER
-    dims, sm_scale = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
-                                   check_indices, provider, d_v=d_v)
-    return _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h)
+    dims, sm_scale, values = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
+                                           check_indices, provider, d_v=d_v, defer=True)
+    return _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h, values)
 
 
-def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h):
+def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h, values=None):
     """:func:`mqa_latent_sparse_fwd` on inputs :func:`_check_inputs` accepted (the op checks
-    once with it, then calls this)."""
+    once with it, then calls this); ``values``: the deferred value checks, launched first and
+    finished (raising on bad values) before the kernel reads an index."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, token_indices, attn_sink)
+    finish = values() if values is not None else None
 
     q = _pad_heads(ops, ops.contiguous(query), plan.padded_heads)
     kv_c = ops.contiguous(kv)
@@ -347,6 +338,8 @@ def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h)
     scale = ops.full((1,), sm_scale, "float32", q)
     out = ops.empty((dims.B, dims.S, plan.padded_heads, dims.Dv), "bfloat16", q)
     lse = ops.empty((dims.B, dims.S, plan.padded_heads), "float32", q)
+    if finish is not None:
+        finish()  # the host preparation above overlapped the numbers' copy
     provider.fwd(plan.heads_per_cta, q, kv_c, idx, sink, scale, out, lse)
     return _slice_heads(ops, out, dims.H), _slice_heads(ops, lse, dims.H)
 
@@ -403,17 +396,20 @@ def mqa_latent_sparse_bwd(
     if lse_format not in ("natural", "log2_sink"):
         raise ValueError(f"lse_format: expected 'natural' or 'log2_sink', got {lse_format!r}")
     _check_bool(deterministic, "deterministic")
-    dims, sm_scale = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
-                                   check_indices, provider, out=out, grad_out=grad_out,
-                                   lse=lse)
+    dims, sm_scale, values = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
+                                           check_indices, provider, out=out, grad_out=grad_out,
+                                           lse=lse, defer=True)
     return _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices,
-                sm_scale, block_h, deterministic, lse_format)
+                sm_scale, block_h, deterministic, lse_format, values)
 
 
 def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale,
-         block_h, deterministic, lse_format):
+         block_h, deterministic, lse_format, values=None):
     """:func:`mqa_latent_sparse_bwd` on checked inputs (the op calls this with the tensors its
-    forward checked and saved)."""
+    forward checked and saved); ``values``: the deferred value checks, launched after the
+    preprocess (which reads no index) and finished (raising on bad values) before the first
+    kernel that reads one, so that the GPU works while their numbers reach the host (run 41:
+    the sync had left it idle for ~0.3-0.5 ms of host time per call)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
@@ -430,11 +426,13 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     delta_p = ops.empty((B, S, h_pad), "float32", do_c)
     lse2_p = ops.empty((B, S, h_pad), "float32", do_c)
     d_sink_rows = ops.empty((B * S, h_pad), "float32", do_c)
-    provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S, H, dims.Dv)),
-                            ops.reshape(do_c, (B * S, H, dims.Dv)), ops.reshape(lse_f, (B * S, H)),
+    provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S * H, dims.Dv)),
+                            ops.reshape(do_c, (B * S * H, dims.Dv)),
+                            ops.reshape(lse_f, (B * S * H,)),
                             _sink_vector(ops, attn_sink, H, H, lse_f),
                             ops.reshape(delta_p, (B * S, h_pad)),
                             ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows)
+    finish = values() if values is not None else None
 
     q = _pad_heads(ops, ops.contiguous(query), h_pad)
     do_p = _pad_heads(ops, do_c, h_pad)
@@ -443,6 +441,8 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
 
     scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
+    if finish is not None:
+        finish()  # before the first kernel that reads an index
     if deterministic:
         acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
                                    scale, dq, ops.contiguous(query), do_c, sm_scale)
@@ -466,17 +466,26 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
 
 # --- the wrappers' input checks, run once per call --------------------------------------------
 def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, provider, *,
-                  d_v=None, out=None, grad_out=None, lse=None):
-    """The wrappers' checks: tensors (bf16 on ``device``), their values unless
+                  d_v=None, out=None, grad_out=None, lse=None, defer=False):
+    """The wrappers' checks: tensors (bf16 on ``provider.device``), their values unless
     ``check_indices`` is False, ``sm_scale``.  A forward passes ``d_v``; a backward passes
     ``out``, ``grad_out`` and ``lse`` (required) and no ``d_v``: ``Dv`` is ``out``'s last dim.
-    Returns ``(dims, sm_scale as a float)``."""
+    Returns ``(dims, sm_scale as a float)``; with ``defer``, ``(dims, sm_scale, values)`` and
+    the value checks are left to the caller: ``finish = values()`` launches them
+    (``checks.start_value_checks``), ``finish()`` raises on bad values (``values`` is ``None``
+    when ``check_indices`` is False)."""
     check = _check_bool(check_indices, "check_indices")
     dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
                          grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",),
                          device=provider.device,
                          required=() if d_v is not None else ("out", "grad_out", "lse"))
+    sm_scale = check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it
+    values = None
     if check:
-        check_values(dims, token_indices, attn_sink=attn_sink, lse=lse,
-                     stats=getattr(provider, "value_stats", None))
-    return dims, check_sm_scale(sm_scale)  # finite and > 0, also in fp32: the kernels need it
+        def values():
+            return start_value_checks(dims, token_indices, attn_sink=attn_sink, lse=lse,
+                                      stats=getattr(provider, "value_stats", None))
+        if not defer:
+            check_values(dims, token_indices, attn_sink=attn_sink, lse=lse,
+                         stats=getattr(provider, "value_stats", None))
+    return (dims, sm_scale, values) if defer else (dims, sm_scale)

@@ -43,14 +43,6 @@ def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_
     return (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
 
 
-def fwd_persistent(heads_per_cta: int) -> bool:
-    """Whether the forward for this head tile is the persistent kernel, which takes the number
-    of CTAs to launch (the SM count) as a last, scalar argument."""
-    from . import sparse_fwd
-
-    return heads_per_cta == 64 and sparse_fwd.PERSISTENT
-
-
 def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
     """Static arguments of ``sparse_bwd.finish`` for the accumulator of one head tile."""
     from ..tiling import dkv_columns_permuted

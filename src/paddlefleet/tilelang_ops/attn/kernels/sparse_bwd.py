@@ -46,9 +46,6 @@ LOG2E = 1.4426950408889634
 #: The 64-head first pass's default schedule (docs/performance.md, runs 38-40): whether its dKV
 #: warpgroup also adds dQ's rope tail and gathers the next block's right half (``w1_right``).
 W1_RIGHT = False
-#: ... and whether its scores warpgroup gathers through slot indices it loaded one block early
-#: into a register, handed between lanes by warp shuffles (``idx_shfl``).
-IDX_SHFL = False
 
 
 def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=False, w1_right=None):
@@ -114,10 +111,14 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
     * ``DSink [R, H_pad] = -2^(sink log2 e - Lse2) Delta``, the row's term of ``d_sink``
       (``-P_sink Delta``; 0 for a ``-inf`` sink),
 
-    and 0 in all three for the pad heads ``H <= h < H_pad``.  Inputs ``O``, ``dO [R, H, Dv]``
-    bf16, ``Lse [R, H]`` fp32 and ``Sink [H]`` fp32 (``-inf`` = no sink); ``R = B S``, ``H``,
-    ``H_pad`` dynamic; rows past the end are neither read nor written."""
+    and 0 in all three for the pad heads ``H <= h < H_pad`` (written by the thread of each
+    row's last real head).  Inputs ``O``, ``dO [N, Dv]`` bf16 (``N = R H`` rows, head fastest),
+    ``Lse [N]`` fp32 and ``Sink [H]`` fp32 (``-inf`` = no sink); ``N``, ``R``, ``H``, ``H_pad``
+    dynamic; rows past ``N`` are neither read nor written.  The row sums walk the flattened
+    rows (no division in the inner loop: run 41's first version divided by ``H_pad`` there and
+    took 0.23 ms instead of 0.19)."""
     assert d_v % block_d == 0, "Dv must be a multiple of the column block"
+    N = T.dynamic("N")
     R = T.dynamic("R")
     H = T.dynamic("H")
     H_pad = T.dynamic("H_pad")
@@ -126,26 +127,26 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
 
     @T.prim_func
     def sparse_bwd_preprocess(
-        O: T.Tensor([R, H, d_v], "bfloat16"),
-        dO: T.Tensor([R, H, d_v], "bfloat16"),
-        Lse: T.Tensor([R, H], "float32"),
+        O: T.Tensor([N, d_v], "bfloat16"),
+        dO: T.Tensor([N, d_v], "bfloat16"),
+        Lse: T.Tensor([N], "float32"),
         Sink: T.Tensor([H], "float32"),
         Delta: T.Tensor([R, H_pad], "float32"),
         Lse2: T.Tensor([R, H_pad], "float32"),
         DSink: T.Tensor([R, H_pad], "float32"),
     ):
-        with T.Kernel(T.ceildiv(R * H_pad, BR), threads=threads) as r_blk:
+        with T.Kernel(T.ceildiv(N, BR), threads=threads) as r_blk:
             acc = T.alloc_fragment([BR, block_d], "float32")
             part = T.alloc_fragment([BR], "float32")
             total = T.alloc_fragment([BR], "float32")
             T.fill(total, 0)
             for c in T.serial(d_v // block_d):
                 for r, d in T.Parallel(BR, block_d):
-                    n = r_blk * BR + r  # (row, head) n // H_pad, n % H_pad
+                    n = r_blk * BR + r
                     acc[r, d] = T.if_then_else(
-                        n < R * H_pad and n % H_pad < H,
-                        T.Cast("float32", O[n // H_pad, n % H_pad, c * block_d + d])
-                        * T.Cast("float32", dO[n // H_pad, n % H_pad, c * block_d + d]),
+                        n < N,
+                        T.Cast("float32", O[n, c * block_d + d])
+                        * T.Cast("float32", dO[n, c * block_d + d]),
                         0,
                     )
                 T.reduce_sum(acc, part, dim=1)
@@ -153,31 +154,31 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
                     total[r] = total[r] + part[r]
             for r in T.Parallel(BR):
                 n = r_blk * BR + r
-                if n < R * H_pad:
-                    row = n // H_pad
-                    h = n % H_pad
-                    if h < H:
-                        lse = Lse[row, h]
-                        sink2 = Sink[h] * LOG2E
-                        lse2 = lse
-                        if natural:
-                            a = lse * LOG2E
-                            hi = T.max(a, sink2)
-                            # an infinite larger term is the result (also -inf for both, not
-                            # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
-                            # (T.isnan: the simplifier folds x != x to false)
-                            lse2 = T.if_then_else(
-                                T.isnan(lse), lse,
-                                T.if_then_else(hi == ninf or hi == -ninf, hi,
-                                               hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
-                        lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
-                        Delta[row, h] = total[r]
-                        Lse2[row, h] = lse2
-                        DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
-                    else:
-                        Delta[row, h] = 0.0
-                        Lse2[row, h] = 0.0
-                        DSink[row, h] = 0.0
+                if n < N:
+                    row = n // H
+                    h = n % H
+                    lse = Lse[n]
+                    sink2 = Sink[h] * LOG2E
+                    lse2 = lse
+                    if natural:
+                        a = lse * LOG2E
+                        hi = T.max(a, sink2)
+                        # an infinite larger term is the result (also -inf for both, not
+                        # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
+                        # (T.isnan: the simplifier folds x != x to false)
+                        lse2 = T.if_then_else(
+                            T.isnan(lse), lse,
+                            T.if_then_else(hi == ninf or hi == -ninf, hi,
+                                           hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
+                    lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
+                    Delta[row, h] = total[r]
+                    Lse2[row, h] = lse2
+                    DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
+                    if h == H - 1:
+                        for p in T.serial(H_pad - H):
+                            Delta[row, H + p] = 0.0
+                            Lse2[row, H + p] = 0.0
+                            DSink[row, H + p] = 0.0
 
     return sparse_bwd_preprocess
 
@@ -216,8 +217,7 @@ def finish(d_qk: int, permuted: bool, scaled: bool, block_rows: int = 8, threads
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
          dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
-         wg0_chunks: int | None = None, overlap: bool = False, w1_right: bool | None = None,
-         idx_shfl: bool | None = None):
+         wg0_chunks: int | None = None, overlap: bool = False, w1_right: bool | None = None):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -272,8 +272,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     if warp_specialized is None:  # measured faster for 64-head tiles (run 29)
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
-        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
-                               idx_shfl)
+        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right)
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -485,7 +484,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool = False,
-                    w1_right: bool | None = None, idx_shfl: bool | None = None):
+                    w1_right: bool | None = None):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -537,12 +536,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     # block's right half and tail right after its dQ GEMMs, so that warpgroup 0 (the longer path
     # in the atomic mode, run 39's profile) neither waits for kv_free nor gathers them
     assert not (w1_right and wg0_chunks), "w1_right: warpgroup 0 adds no dKV chunk"
-    # idx_shfl (a trial): warpgroup 0 loads block k + 1's 64 slot indices at the start of block
-    # k, one per lane (lane m < 16 of warp w holds row 4 m + w), and its gathers take them from
-    # there by shuffles, so that no 16-byte copy waits for an index load from global memory
-    # (run 39's profile: ~8% of the samples, twice per block)
-    idx_shfl = IDX_SHFL if idx_shfl is None else bool(idx_shfl)
-    assert not (idx_shfl and w1_right), "idx_shfl: only warpgroup 0 gathers"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -566,54 +559,34 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         return (t // 32) * 16 + (t % 32) // 4
 
     @T.macro
-    def gather_cols(KV, Indices, dst, col0, b_i, s_i, k, t, nidx=None):
+    def gather_cols(KV, Indices, dst, col0, b_i, s_i, k, t):
         # columns [col0, col0 + width) of key block k's latent rows into dst [BK, width], by
-        # 128 threads, 16 bytes each per step (a -1 slot copies row 0; its score is masked).
-        # With nidx (idx_shfl), warp w copies the rows 4 m + w whose indices its lanes m hold
+        # 128 threads, 16 bytes each per step (a -1 slot copies row 0; its score is masked)
         width = dst.shape[1]
         per_row = width // 8
-        if nidx is None:
-            for r in T.serial(BK * per_row // WG):
-                c = r * WG + t
-                j = c // per_row
-                col = (c % per_row) * 8
-                row = T.max(Indices[b_i, s_i, k * BK + j], 0)
-                T.ptx_cp_async(T.access_ptr(dst[j, col], "w", 8),
-                               T.access_ptr(KV[b_i, row, col0 + col], "r", 8), 8)
-        else:
-            # a warp covers 32 / per_row rows per step: m = r * (32 / per_row) + lane / per_row
-            for r in T.unroll(BK * per_row // WG):
-                m = r * (32 // per_row) + (t % 32) // per_row
-                j = 4 * m + t // 32
-                col = (t % per_row) * 8
-                row = T.max(T.shfl_sync(nidx[0], m), 0)
-                T.ptx_cp_async(T.access_ptr(dst[j, col], "w", 8),
-                               T.access_ptr(KV[b_i, row, col0 + col], "r", 8), 8)
-
-    def idx_row(t):
-        # idx_shfl: the slot (row of the key block) whose index thread t holds
-        return 4 * ((t % 32) % 16) + t // 32
+        for r in T.serial(BK * per_row // WG):
+            c = r * WG + t
+            j = c // per_row
+            col = (c % per_row) * 8
+            row = T.max(Indices[b_i, s_i, k * BK + j], 0)
+            T.ptx_cp_async(T.access_ptr(dst[j, col], "w", 8),
+                           T.access_ptr(KV[b_i, row, col0 + col], "r", 8), 8)
 
     @T.macro
-    def gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k, t, nidx=None):
-        gather_cols(KV, Indices, K_l, 0, b_i, s_i, k, t, nidx)
+    def gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k, t):
+        gather_cols(KV, Indices, K_l, 0, b_i, s_i, k, t)
         T.cp_async_barrier_noinc(kl_full[0])
 
     @T.macro
-    def gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, k, t, nidx=None):
+    def gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, k, t):
         # the right half, the rope tail and, in the exact mode, the keys' grids (inv[k % 2])
-        gather_cols(KV, Indices, K_r, DH, b_i, s_i, k, t, nidx)
-        gather_cols(KV, Indices, K_t, D, b_i, s_i, k, t, nidx)
+        gather_cols(KV, Indices, K_r, DH, b_i, s_i, k, t)
+        gather_cols(KV, Indices, K_t, D, b_i, s_i, k, t)
         if exact:
-            if nidx is None:
-                if t < BK:
-                    T.ptx_cp_async(T.access_ptr(inv[k % 2, t], "w", 1),
-                                   T.access_ptr(InvGrid[b_i, T.max(Indices[b_i, s_i, k * BK + t],
-                                                                   0)], "r", 1), 1)
-            else:
-                if t % 32 < 16:
-                    T.ptx_cp_async(T.access_ptr(inv[k % 2, idx_row(t)], "w", 1),
-                                   T.access_ptr(InvGrid[b_i, T.max(nidx[0], 0)], "r", 1), 1)
+            if t < BK:
+                T.ptx_cp_async(T.access_ptr(inv[k % 2, t], "w", 1),
+                               T.access_ptr(InvGrid[b_i, T.max(Indices[b_i, s_i, k * BK + t], 0)],
+                                            "r", 1), 1)
         T.cp_async_barrier_noinc(kr_full[0])
 
     @T.macro
@@ -783,17 +756,13 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             slot = T.alloc_local([2], "int32")
             inv_l = T.alloc_local([2], acc_t)
             u_l = T.alloc_local([2], acc_t)
-            # idx_shfl: the next block's slot index of row idx_row(tx) (warpgroup 0)
-            nidx = T.alloc_local([1], "int32") if idx_shfl else None
 
             tx = T.get_thread_binding()
             h0 = g_i * M
             NB = L // BK
             if tx < WG and NB > 0:  # block 0's keys, under the query tile's load
-                if idx_shfl:
-                    nidx[0] = Indices[b_i, s_i, idx_row(tx)]
-                gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx, nidx)
-                gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx, nidx)
+                gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx)
+                gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx)
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
             load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
@@ -810,9 +779,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 if not w1_right:
                     T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
-                    if idx_shfl:
-                        if k + 1 < NB:  # block k + 1's, for its gathers at the end of this one
-                            nidx[0] = Indices[b_i, s_i, (k + 1) * BK + idx_row(tx)]
                     for h, j in T.Parallel(M, BK):
                         acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                                      -T.infinity(acc_t))
@@ -842,14 +808,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                         T.gemm(dS_s, K_t, acc_dq_t)
                         T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
                     if k + 1 < NB:
-                        gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx, nidx)
+                        gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx)
                     if not w1_right:
                         # also in the last block: it keeps u_ready from running two phases ahead
                         # of warpgroup 1 (which arrives pds_free before it waits for u_ready)
                         T.barrier_wait(kv_free[0], k & 1)
                         if k + 1 < NB:
                             gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
-                                         k + 1, tx, nidx)
+                                         k + 1, tx)
                     if wg0_chunks > 0:
                         own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, tx)
                         if wg0_chunks == 2:

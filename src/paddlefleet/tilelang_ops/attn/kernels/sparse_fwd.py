@@ -28,11 +28,6 @@ __all__ = ["sparse_fwd"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-#: The 64-head forward's score warpgroup reads a key block's slot indices (its -inf mask) before
-#: it waits for the block's keys, so that the load's latency hides under the wait (a trial).
-MASK_EARLY = False
-#: The 64-head forward as a persistent kernel (:func:`_persistent`), one CTA per SM.
-PERSISTENT = False
 
 
 @T.macro
@@ -83,8 +78,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None,
-               mask_early: bool | None = None, persistent: bool | None = None):
+               num_stages: int = 1, warp_specialized: bool | None = None):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -103,13 +97,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
-    if persistent is None:
-        persistent = PERSISTENT
-    if warp_specialized and persistent:
-        return _persistent(heads_per_cta, d_qk, d_v, block_k)
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k,
-                                 MASK_EARLY if mask_early is None else bool(mask_early))
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -197,8 +186,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      mask_early: bool = False):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
@@ -243,18 +231,13 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, kv_ready, kv_free, p_ready, p_free,
                         Indices, b_i, s_i, k, parity, acc_s, acc_o_l, row_max, row_max_prev,
                         row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared, scale2):
-        if mask_early:
-            for h, j in T.Parallel(M, BK):
-                acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
-                                             -T.infinity(acc_t))
         T.barrier_wait(kv_ready[0], parity)
         # the producer's cp.async wrote the keys through the generic proxy; wgmma reads them
         # through the async proxy
         T.fence_proxy_async()
-        if not mask_early:
-            for h, j in T.Parallel(M, BK):
-                acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
-                                             -T.infinity(acc_t))
+        for h, j in T.Parallel(M, BK):
+            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                         -T.infinity(acc_t))
         # one wait for the three (each T.gemm waits for its own wgmma group): a plain gemm last,
         # whose wait covers the groups before it and fences the accumulator after the wait
         # (reads of acc_s cannot move above it)
@@ -396,200 +379,3 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
 
     return sparse_fwd_ws
 
-
-
-def _persistent(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
-    """The 64-head forward of :func:`_warp_specialized` as a persistent kernel of ``ctas`` CTAs
-    (a scalar argument after ``Lse``: the host passes the SM count), each walking the (row,
-    head group) items ``cta, cta + ctas, ...``, so that one item's epilogue and the next item's query load and first gathers
-    overlap (run 24's fit: ~13 us per CTA of prologue and epilogue that no other CTA hides, one
-    CTA per SM).  The producer loads the next item's query tile once warpgroup 0 has issued the
-    current item's last score GEMMs (``q_free``); the outputs go to global memory straight from
-    the registers (the query's buffers are no longer free for staging them).  Same arguments and
-    results as :func:`sparse_fwd`."""
-    assert heads_per_cta == 64 and d_v % 128 == 0
-    M = heads_per_cta
-    D = d_v
-    DH = d_v // 2
-    D_tail = d_qk - d_v
-    BK = block_k
-    dtype = "bfloat16"
-    acc_t = "float32"
-    WG = 128
-
-    B = T.dynamic("B")
-    S = T.dynamic("S")
-    S_kv = T.dynamic("S_kv")
-    L = T.dynamic("L")
-    H_pad = T.dynamic("H_pad")
-
-    @T.macro
-    def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, kv_ready, kv_free, p_ready, p_free,
-                        q_free, Indices, b_i, s_i, k, NB, parity, g, acc_s, acc_o_l, row_max,
-                        row_max_prev, row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared,
-                        scale2):
-        for h, j in T.Parallel(M, BK):
-            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
-                                         -T.infinity(acc_t))
-        T.barrier_wait(kv_ready[0], parity)
-        T.fence_proxy_async()
-        T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
-        T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
-        T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
-        if k == NB - 1:
-            T.barrier_arrive(q_free[0])  # the item's last read of its query tile
-        T.barrier_wait(p_free[0], (g & 1) ^ 1)
-        softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
-                     alpha_shared)
-        for h, d in T.Parallel(M, DH):
-            acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-        T.copy(acc_s, P_shared)
-        T.gemm(P_shared, K_l, acc_o_l)
-        T.barrier_arrive(p_ready[0])
-        T.barrier_arrive(kv_free[0])
-
-    @T.macro
-    def right(K_r, kv_free, p_ready, p_free, g, acc_o_r, alpha_shared, P_shared):
-        T.barrier_wait(p_ready[0], g & 1)
-        T.fence_proxy_async()
-        for h, d in T.Parallel(M, DH):
-            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-        T.gemm(P_shared, K_r, acc_o_r)
-        T.barrier_arrive(p_free[0])
-        T.barrier_arrive(kv_free[0])
-
-    @T.macro
-    def gather(KV, Indices, K_l, K_r, K_tail, kv_ready, kv_free, b_i, s_i, k, parity, t):
-        T.barrier_wait(kv_free[0], parity ^ 1)
-        gather_key_block(KV, Indices, K_l, K_r, K_tail, b_i, s_i, k, t)
-        T.cp_async_barrier_noinc(kv_ready[0])
-
-    @T.prim_func
-    def sparse_fwd_persistent(
-        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
-        KV: T.Tensor([B, S_kv, d_qk], dtype),
-        Indices: T.Tensor([B, S, L], "int32"),
-        Sink: T.Tensor([H_pad], acc_t),
-        Scale: T.Tensor([1], acc_t),
-        O: T.Tensor([B, S, H_pad, D], dtype),
-        Lse: T.Tensor([B, S, H_pad], acc_t),
-        ctas: T.int32,
-    ):
-        with T.Kernel(ctas, threads=3 * WG) as cta:
-            Q_l = T.alloc_shared([M, DH], dtype)
-            Q_r = T.alloc_shared([M, DH], dtype)
-            Q_tail = T.alloc_shared([M, D_tail], dtype)
-            K_l0 = T.alloc_shared([BK, DH], dtype)
-            K_r0 = T.alloc_shared([BK, DH], dtype)
-            K_t0 = T.alloc_shared([BK, D_tail], dtype)
-            K_l1 = T.alloc_shared([BK, DH], dtype)
-            K_r1 = T.alloc_shared([BK, DH], dtype)
-            K_t1 = T.alloc_shared([BK, D_tail], dtype)
-            P_shared = T.alloc_shared([M, BK], dtype)
-            alpha_shared = T.alloc_shared([M], acc_t)
-            alpha_fin = T.alloc_shared([M], acc_t)  # the item's final factor, for warpgroup 1
-
-            q_ready = T.alloc_barrier(arrive_count=WG)
-            q_free = T.alloc_barrier(arrive_count=WG)
-            ready0 = T.alloc_barrier(arrive_count=WG)
-            ready1 = T.alloc_barrier(arrive_count=WG)
-            free0 = T.alloc_barrier(arrive_count=2 * WG)
-            free1 = T.alloc_barrier(arrive_count=2 * WG)
-            p_ready = T.alloc_barrier(arrive_count=WG)
-            p_free = T.alloc_barrier(arrive_count=WG)
-            fin_ready = T.alloc_barrier(arrive_count=WG)
-
-            acc_s = T.alloc_fragment([M, BK], acc_t)
-            acc_o_l = T.alloc_fragment([M, DH], acc_t)
-            acc_o_r = T.alloc_fragment([M, DH], acc_t)
-            row_max = T.alloc_fragment([M], acc_t)
-            row_max_prev = T.alloc_fragment([M], acc_t)
-            row_sum = T.alloc_fragment([M], acc_t)
-            blk_sum = T.alloc_fragment([M], acc_t)
-            alpha = T.alloc_fragment([M], acc_t)
-            m_shift = T.alloc_fragment([M], acc_t)
-            lse_frag = T.alloc_fragment([M], acc_t)
-            scale2 = T.alloc_local([1], acc_t)
-            pos = T.alloc_local([3], "int32")  # the item's s_i, b_i, h0
-
-            tx = T.get_thread_binding()
-            NB = L // BK
-            G = H_pad // M
-            n_items = S * B * G
-            # uses of key buffer 0 / 1 per item (blocks 0, 2, ... / 1, 3, ...)
-            U0 = (NB + 1) // 2
-            U1 = NB // 2
-
-            if tx < WG:
-                T.set_max_nreg(232, 1)
-                scale2[0] = Scale[0] * LOG2E
-                for it in T.serial(T.ceildiv(n_items - cta, ctas)):
-                    item = cta + it * ctas
-                    pos[0] = item % S
-                    pos[1] = (item // S) % B
-                    pos[2] = (item // (S * B)) * M
-                    s_i, b_i, h0 = pos[0], pos[1], pos[2]
-                    T.fill(acc_o_l, 0)
-                    T.fill(row_sum, 0)
-                    T.fill(row_max, -T.infinity(acc_t))
-                    T.barrier_wait(q_ready[0], it & 1)
-                    T.fence_proxy_async()
-                    for i in T.serial(T.ceildiv(NB, 2)):
-                        scores_and_left(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, ready0, free0, p_ready,
-                                        p_free, q_free, Indices, b_i, s_i, 2 * i, NB,
-                                        (it * U0 + i) & 1, it * NB + 2 * i, acc_s, acc_o_l,
-                                        row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                                        alpha_shared, P_shared, scale2)
-                        if 2 * i + 1 < NB:
-                            scores_and_left(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, ready1, free1,
-                                            p_ready, p_free, q_free, Indices, b_i, s_i, 2 * i + 1,
-                                            NB, (it * U1 + i) & 1, it * NB + 2 * i + 1, acc_s,
-                                            acc_o_l, row_max, row_max_prev, row_sum, blk_sum,
-                                            alpha, m_shift, alpha_shared, P_shared, scale2)
-                    T.barrier_wait(p_free[0], ((it * NB + NB - 1) & 1))
-                    fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_fin)
-                    T.barrier_arrive(fin_ready[0])
-                    for h, d in T.Parallel(M, DH):
-                        acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-                    T.copy(acc_o_l, O[b_i, s_i, h0:h0 + M, :DH])
-                    T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
-            elif tx < 2 * WG:
-                T.set_max_nreg(176, 1)
-                for it in T.serial(T.ceildiv(n_items - cta, ctas)):
-                    item = cta + it * ctas
-                    pos[0] = item % S
-                    pos[1] = (item // S) % B
-                    pos[2] = (item // (S * B)) * M
-                    s_i, b_i, h0 = pos[0], pos[1], pos[2]
-                    T.fill(acc_o_r, 0)
-                    for i in T.serial(T.ceildiv(NB, 2)):
-                        right(K_r0, free0, p_ready, p_free, it * NB + 2 * i, acc_o_r, alpha_shared,
-                              P_shared)
-                        if 2 * i + 1 < NB:
-                            right(K_r1, free1, p_ready, p_free, it * NB + 2 * i + 1, acc_o_r,
-                                  alpha_shared, P_shared)
-                    T.barrier_wait(fin_ready[0], it & 1)
-                    for h, d in T.Parallel(M, DH):
-                        acc_o_r[h, d] = acc_o_r[h, d] * alpha_fin[h]
-                    T.copy(acc_o_r, O[b_i, s_i, h0:h0 + M, DH:])
-            else:
-                T.set_max_nreg(96, 0)
-                t = tx - 2 * WG
-                for it in T.serial(T.ceildiv(n_items - cta, ctas)):
-                    item = cta + it * ctas
-                    pos[0] = item % S
-                    pos[1] = (item // S) % B
-                    pos[2] = (item // (S * B)) * M
-                    s_i, b_i, h0 = pos[0], pos[1], pos[2]
-                    # the previous item's last score GEMMs are done with the query tile
-                    T.barrier_wait(q_free[0], (it & 1) ^ 1)
-                    load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, t, WG)
-                    T.cp_async_barrier_noinc(q_ready[0])
-                    for i in T.serial(T.ceildiv(NB, 2)):
-                        gather(KV, Indices, K_l0, K_r0, K_t0, ready0, free0, b_i, s_i, 2 * i,
-                               (it * U0 + i) & 1, t)
-                        if 2 * i + 1 < NB:
-                            gather(KV, Indices, K_l1, K_r1, K_t1, ready1, free1, b_i, s_i,
-                                   2 * i + 1, (it * U1 + i) & 1, t)
-
-    return sparse_fwd_persistent
