@@ -328,8 +328,9 @@ def test_bad_inputs_raise_naming_theto_tensor(fw):
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_deferred_value_checks_raise_before_any_index_is_read(fw):
     """The wrappers launch their value checks early and wait for them late (run 41), but no
-    kernel that reads an index runs before a bad value raises: the forward launches nothing,
-    the backward only its preprocess (which reads out, dO, lse and the sink)."""
+    kernel that dereferences an index runs before a bad value raises: the forward launches
+    nothing, the atomic backward only its preprocess (which reads out, dO, lse and the sink),
+    the deterministic one also grid_rows (which only counts each row's slots >= 0)."""
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=6)
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
@@ -340,9 +341,12 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
     with pytest.raises(ValueError, match="token_indices"):
         interface.mqa_latent_sparse_fwd(q, kv, bad, SM, sk, provider=prov)
     assert prov.calls == []
-    with pytest.raises(ValueError, match="token_indices"):
-        interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov)
-    assert [c[0] for c in prov.calls] == ["pre"]
+    for det, launched in ((False, ["pre"]), (True, ["pre", "grid_rows"])):
+        prov.calls.clear()
+        with pytest.raises(ValueError, match="token_indices"):
+            interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
+                                            deterministic=det)
+        assert [c[0] for c in prov.calls] == launched
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -191,7 +191,7 @@ def _slice_heads(ops, t, h):
     return t if ops.shape(t)[2] == h else ops.contiguous(t[:, :, :h])
 
 
-def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale):
+def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish=None):
     """``inv_grid [B, S_kv] fp32``: ``1 / g_j = 2**-e_j`` of the first pass's per-key grids, for
     ``query [B, S, H, Dk]`` and ``grad_out [B, S, H, Dv]`` (the real heads, contiguous) and
     ``idx [B, S, L]`` int32 (``-1``: no key).
@@ -218,6 +218,10 @@ def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale):
     kv_coef = sm_scale * sm_scale / (max(1, b * s_kv * d_k) * d_k)
     c_row = ops.empty((b, s), "float64", idx)
     provider.exact_grid_rows(query, grad_out, idx, kv_norm, c_row, kv_coef)
+    if finish is not None:
+        # the deferred value checks: grid_rows only counts a row's slots >= 0; grid_scatter is
+        # the first kernel that dereferences an index
+        finish()
     top = ops.reshape(ops.amax(c_row), (1,))
     est = ops.zeros((b, s_kv), "int64", idx)
     provider.exact_grid_scatter(c_row, top, idx, est)
@@ -228,7 +232,7 @@ def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale):
 
 
 def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, grad_out,
-               sm_scale):
+               sm_scale, finish=None):
     """Deterministic dKV and dq, exact on per-key grids: returns ``(acc, inv_grid)``, the
     accumulator (fp32 ``[B, S_kv, Dk]``, in grid units, the provider's column order) and the
     inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).
@@ -256,7 +260,8 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
         raise ValueError(
             f"query: S={s} x {plan.num_groups} head group(s) rows may add to one key, more than "
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
-    inv_grid = _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale)  # real heads
+    # the real heads; finish: the deferred value checks (see _grid_estimate)
+    inv_grid = _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish)
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
@@ -408,7 +413,8 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     """:func:`mqa_latent_sparse_bwd` on checked inputs (the op calls this with the tensors its
     forward checked and saved); ``values``: the deferred value checks, launched after the
     preprocess (which reads no index) and finished (raising on bad values) before the first
-    kernel that reads one, so that the GPU works while their numbers reach the host (run 41:
+    kernel that dereferences one (the deterministic mode's ``grid_scatter``, the atomic mode's
+    ``main``), so that the GPU works while their numbers reach the host (run 41:
     the sync had left it idle for ~0.3-0.5 ms of host time per call)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
@@ -441,14 +447,14 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
 
     scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
-    if finish is not None:
-        finish()  # before the first kernel that reads an index
     if deterministic:
         acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                   scale, dq, ops.contiguous(query), do_c, sm_scale)
+                                   scale, dq, ops.contiguous(query), do_c, sm_scale, finish)
     else:
         acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
         inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
+        if finish is not None:
+            finish()  # before the first kernel that dereferences an index
         provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
                           delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
                           ops.empty((B, dims.S_kv), "int64", q),
