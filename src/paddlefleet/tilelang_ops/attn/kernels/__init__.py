@@ -1,7 +1,10 @@
 """TileLang kernels of sparse MQA-latent attention (no framework import), and their registry.
 
 * ``sparse_fwd.sparse_fwd``: the forward (online softmax over top-k key blocks, sink folded in);
-* the backward, in launch order: ``sparse_bwd.preprocess`` (Delta) -> ``sparse_bwd.main``
+* ``value_stats.value_stats``: the wrappers' value checks (index range, NaN/+inf sinks, NaN
+  lse) in one launch;
+* the backward, in launch order: ``sparse_bwd.preprocess`` (Delta, the base-2 lse and the rows'
+  ``d_sink`` terms) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
   -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
