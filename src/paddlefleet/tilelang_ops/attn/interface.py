@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from . import tiling
 from .adapter import ops_for, type_name
-from .checks import check_sm_scale, check_tensors, check_values, start_value_checks
+from .checks import check_sm_scale, check_tensors, start_value_checks
 
 __all__ = [
     "mqa_latent_sparse_fwd",
@@ -107,7 +106,6 @@ class TileLangKernels:
         self._kernel(("value_stats", attn_sink is not None, lse is not None))(
             ops.reshape(token_indices, (-1,)), flat[0], flat[1], part)
         return part
-
 
     def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
         self._kernel(("bwd_pre", int(out.shape[-1]), bool(natural)))(
@@ -492,6 +490,5 @@ def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, 
             return start_value_checks(dims, token_indices, attn_sink=attn_sink, lse=lse,
                                       stats=getattr(provider, "value_stats", None))
         if not defer:
-            check_values(dims, token_indices, attn_sink=attn_sink, lse=lse,
-                         stats=getattr(provider, "value_stats", None))
+            values()()  # check_values, launched and finished here
     return (dims, sm_scale, values) if defer else (dims, sm_scale)
