@@ -349,6 +349,89 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
         assert [c[0] for c in prov.calls] == launched
 
 
+class _StandInWithStats(CpuStandIn):
+    """:class:`CpuStandIn` with the value checks' kernel (``value_stats``) in numpy, as the
+    CUDA provider has it: the numbers and the safe copy of the indices.  ``seen`` records the
+    largest and smallest index each index-reading launcher was handed."""
+
+    def __init__(self, fw):
+        super().__init__()
+        self.fw = fw
+        self.seen = []
+
+    def value_stats(self, token_indices, attn_sink, lse, s_kv):
+        if ops_for(token_indices).dtype(token_indices) != "int32":
+            return None  # as the kernel's provider: int64 takes the framework path
+        self.calls.append(("value_stats",))
+        idx = to_numpy(token_indices)
+        sink = to_numpy(attn_sink) if attn_sink is not None else np.zeros(1)
+        nan_lse = int(np.isnan(to_numpy(lse)).sum()) if lse is not None else 0
+        rows = np.array([[idx.min(), idx.max(), int((~(sink < np.inf)).sum()), nan_lse]])
+        safe = np.where((idx >= 0) & (idx < s_kv), idx, -1)
+        return to_tensor(self.fw, rows, "int32"), to_tensor(self.fw, safe, "int32")
+
+    def _saw(self, idx):
+        i = to_numpy(idx)
+        self.seen.append((int(i.min()), int(i.max())))
+
+    def fwd(self, m, q, kv, idx, *rest):
+        self._saw(idx)
+        return super().fwd(m, q, kv, idx, *rest)
+
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, *rest):
+        self._saw(idx)
+        return super().bwd_main(m, mode, with_dq, q, kv, do, idx, *rest)
+
+    def exact_grid_scatter(self, c_row, top, idx, est):
+        self._saw(idx)
+        return super().exact_grid_scatter(c_row, top, idx, est)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw):
+    """With a provider whose ``value_stats`` makes the safe copy of the indices (the CUDA one),
+    every kernel reads that copy and the wrappers wait for the numbers after queueing the
+    kernels (run 43: no host wait with the GPU idle): bad indices still raise the same
+    ``ValueError`` before the call returns, and no kernel is ever handed one outside
+    ``[-1, S_kv)``.  Good inputs give the same results as without the copy; int64 indices
+    (no copy) still wait before the first kernel that dereferences an index."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=7)
+    plain = CpuStandIn()
+    want_out, want_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=plain)
+    want = interface.mqa_latent_sparse_bwd(q, kv, want_out, do, want_lse, sk, idx, SM,
+                                           provider=plain)
+    prov = _StandInWithStats(fw)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
+    for a, b in zip((out, lse) + tuple(got), (want_out, want_lse) + tuple(want)):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+    bad = to_numpy(idx).astype(np.int32)
+    bad[0, 2, 5], bad[0, 3, 1], bad[0, 1, 0] = 64, -9, 10**6  # S_kv = 64
+    bad = to_tensor(fw, bad, "int32")
+    runs = (("fwd", lambda: interface.mqa_latent_sparse_fwd(q, kv, bad, SM, sk, provider=prov)),
+            ("bwd_det", lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM,
+                                                                 provider=prov)),
+            ("bwd_atomic", lambda: interface.mqa_latent_sparse_bwd(
+                q, kv, out, do, lse, sk, bad, SM, deterministic=False, provider=prov)))
+    for name, run in runs:
+        prov.calls.clear()
+        prov.seen.clear()
+        with pytest.raises(ValueError, match=r"token_indices.*\[-9, 1000000\]"):
+            run()
+        last = {"fwd": "fwd", "bwd_det": "finish", "bwd_atomic": "finish"}[name]
+        assert prov.calls[0][0] == ("value_stats" if name == "fwd" else "pre"), name
+        assert prov.calls[-1][0] == last, (name, prov.calls)  # everything was queued first
+        assert prov.seen and all(lo >= -1 and hi < 64 for lo, hi in prov.seen), (name, prov.seen)
+
+    # int64 indices: no safe copy, the numbers first (nothing that reads an index ran)
+    bad64 = to_tensor(fw, to_numpy(bad).astype(np.int64), "int64")
+    prov.calls.clear()
+    with pytest.raises(ValueError, match="token_indices"):
+        interface.mqa_latent_sparse_fwd(q, kv, bad64, SM, sk, provider=prov)
+    assert prov.calls == []
+
+
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_each_wrapper_checks_once(fw, monkeypatch):
     """One call, one tensor check and one value read (they used to run twice in places)."""

@@ -3,8 +3,10 @@
 64-head kernels (the warp-specialised forward, the two-warpgroup backward) on two head groups
 with 28 pad heads.  Top-k 100 (padded to 128 with -1), early rows with few keys and whole -1
 rows, with a sink; forward, deterministic (also with the exact dKV's re-run forced) and atomic
-backward.  Any out-of-bounds access in a kernel is reported by the sanitizer; the script itself
-only checks for NaN."""
+backward; then the three calls again with indices far out of range (each must raise the
+``ValueError``, and, since the value checks are waited for after the kernels are queued, the
+kernels must have read the checks' safe copy, never the bad values).  Any out-of-bounds access
+in a kernel is reported by the sanitizer; the script itself checks for NaN and the errors."""
 
 import sys
 from pathlib import Path
@@ -30,8 +32,23 @@ for det in (True, False):
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5,
                                                   deterministic=det)
     assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
+margin = interface.GRID_MARGIN_BITS
 interface.GRID_MARGIN_BITS = -20  # every key re-runs: the with_dq=False kernel runs too
 dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5)
 assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
+interface.GRID_MARGIN_BITS = margin
+bad = idx.clone()
+bad[0, 5, 0], bad[0, 6, 1], bad[0, 7, 2], bad[0, 15, 3] = 10**7, -5, S_kv, -(2**31)
+calls = [lambda: interface.mqa_latent_sparse_fwd(q, kv, bad, 576 ** -0.5, sink)]
+calls += [lambda det=det: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, bad,
+                                                          576 ** -0.5, deterministic=det)
+          for det in (True, False)]
+for call in calls:
+    try:
+        call()
+    except ValueError as err:
+        assert "token_indices" in str(err), err
+    else:
+        raise AssertionError("out-of-range indices did not raise")
 torch.cuda.synchronize()
 print(f"memcheck case H={H} done")

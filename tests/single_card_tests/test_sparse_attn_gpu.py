@@ -705,9 +705,10 @@ def test_bad_inputs_raise():
 def test_value_stats_kernel(has_sink, has_lse):
     """The value checks' kernel (``kernels/value_stats.py``) against numpy: the index range
     (-1 slots, one index far out of range, more elements than its grid's threads so every
-    thread strides), the NaN/+inf sinks (-inf allowed), the NaN lse; the wrappers raise on each
-    through it (checks launched early, read through an asynchronous copy), naming the tensor;
-    int64 or non-contiguous indices take the framework path (None)."""
+    thread strides), the NaN/+inf sinks (-inf allowed), the NaN lse, and the safe copy of the
+    indices (outside [0, S_kv): -1); the wrappers raise on each through it (checks launched
+    early, read through an asynchronous copy, waited for after the kernels are queued), naming
+    the tensor; int64 or non-contiguous indices take the framework path (None)."""
     rng = np.random.default_rng(3)
     idx = rng.integers(-1, 5000, (3, 300, 200)).astype(np.int32)
     idx[2, 299, 199] = 123456
@@ -718,13 +719,19 @@ def test_value_stats_kernel(has_sink, has_lse):
     lse[0, 0, 0] = -np.inf
     t = lambda a: torch.from_numpy(a).cuda()
     prov = interface.TileLangKernels()
-    rows = prov.value_stats(t(idx), t(sink) if has_sink else None, t(lse) if has_lse else None)
+    idx[0, 0, :3] = [-7, -(2**31), 2**31 - 1]
+    rows, safe = prov.value_stats(t(idx), t(sink) if has_sink else None,
+                                  t(lse) if has_lse else None, 4000)
     rows = rows.cpu().numpy().astype(np.int64)  # one row per CTA
     got = [rows[:, 0].min(), rows[:, 1].max(), rows[:, 2].sum(), rows[:, 3].sum()]
     want = [idx.min(), idx.max(), 2 if has_sink else 0, 2 if has_lse else 0]
     assert [int(v) for v in got] == want
-    assert prov.value_stats(t(idx.astype(np.int64)), None, None) is None
-    assert prov.value_stats(t(idx)[:, ::2], None, None) is None  # not contiguous
+    # the safe copy the kernels read: every value outside [0, S_kv) is -1, the rest as given
+    want_safe = np.where((idx >= 0) & (idx < 4000), idx, -1)
+    assert safe.shape == idx.shape and safe.dtype == torch.int32
+    np.testing.assert_array_equal(safe.cpu().numpy(), want_safe)
+    assert prov.value_stats(t(idx.astype(np.int64)), None, None, 4000) is None
+    assert prov.value_stats(t(idx)[:, ::2], None, None, 4000) is None  # not contiguous
 
     case = dict(B=1, S=8, S_kv=64, H=8, L=64, sink=True)
     q, kv, do, sk, ix = _inputs(case, 2)

@@ -56,6 +56,7 @@ __all__ = [
     "check_tensors",
     "check_values",
     "start_value_checks",
+    "PendingValueChecks",
     "validate_inputs",
     "check_sm_scale",
     "check_compute_dtype",
@@ -314,29 +315,47 @@ def check_values(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
             ``[0, S_kv)``.
         attn_sink: ``[H]`` or ``None``; finite or ``-inf`` (that head has no sink).
         lse: ``[B, S, H]`` or ``None``; no NaN (``+inf`` and ``-inf`` are allowed).
-        stats: optional ``stats(token_indices, attn_sink, lse)`` giving, in one kernel launch,
-            a device tensor of rows ``(min index, max index, NaN/+inf sinks, NaN lse)`` (the
-            wrappers pass their provider's ``value_stats``), or ``None`` where it does not
-            apply; then framework reductions compute those numbers.
+        stats: optional ``stats(token_indices, attn_sink, lse, S_kv)`` giving, in one kernel
+            launch, a device tensor of rows ``(min index, max index, NaN/+inf sinks, NaN lse)``
+            and a copy of the indices safe to dereference (the wrappers pass their provider's
+            ``value_stats``), or ``None`` where it does not apply; then framework reductions
+            compute those numbers.
 
     Raises:
         ValueError: an index outside ``[-1, S_kv)`` (the range found is named), a NaN or
             ``+inf`` in ``attn_sink`` (the heads and values are named), a NaN in ``lse`` (the
             count is named).
     """
-    start_value_checks(dims, token_indices, attn_sink=attn_sink, lse=lse, stats=stats)()
+    start_value_checks(dims, token_indices, attn_sink=attn_sink, lse=lse, stats=stats).finish()
+
+
+@dataclass(frozen=True)
+class PendingValueChecks:
+    """What :func:`start_value_checks` launched.
+
+    ``finish()`` waits for the numbers and raises as :func:`check_values` does.  ``indices`` is
+    ``None``, or (when ``stats`` made one) a copy of ``token_indices`` (same shape, int32) with
+    every value outside ``[0, S_kv)`` replaced by ``-1``: kernels that read that copy never
+    dereference an index out of range, so a caller may launch them before ``finish()``.
+    Without it, ``finish()`` must come before the first kernel that dereferences an index."""
+
+    finish: Any
+    indices: Any = None
 
 
 def start_value_checks(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
-                       lse: Any = None, stats: Any = None):
+                       lse: Any = None, stats: Any = None) -> PendingValueChecks:
     """:func:`check_values` in two steps: launch the reductions and the copy of their numbers to
-    the host now, and return ``finish()``, which waits for that copy and raises as
-    :func:`check_values` does.  Between the two a caller may launch work that reads no index
-    (the backward's preprocess), so that the GPU is busy while the numbers travel; the wait
-    is a stream sync on Paddle (``adapter.read_later``).  Arguments as :func:`check_values`."""
+    the host now, and return them pending (:class:`PendingValueChecks`).  Between the launch
+    and ``finish()`` a caller may launch work that reads no index (the backward's
+    preprocess), or any work at all on the safe copy of the indices where there is one, so
+    that the GPU is busy while the numbers travel; the wait is a stream sync on Paddle
+    (``adapter.read_later``).  Arguments as :func:`check_values`."""
     ops = ops_for(token_indices, attn_sink, lse)
-    rows = stats(token_indices, attn_sink, lse) if stats is not None else None
-    if rows is not None:
+    got = stats(token_indices, attn_sink, lse, dims.S_kv) if stats is not None else None
+    safe = None
+    if got is not None:
+        rows, safe = got
         read = ops.read_later(rows)
 
         def numbers():
@@ -382,7 +401,7 @@ def start_value_checks(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
                 f"got {vals[-1]} NaN value(s)"
             )
 
-    return finish
+    return PendingValueChecks(finish, safe)
 
 
 def validate_inputs(

@@ -22,6 +22,7 @@ across calls and processes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from . import tiling
@@ -85,27 +86,34 @@ class TileLangKernels:
         key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
         self._kernel(key)(q, kv, indices, sink, scale, out, lse)
 
-    def value_stats(self, token_indices, attn_sink, lse):
-        """Rows ``(min index, max index, NaN/+inf sinks, NaN lse)`` ``[CTAS, 4] int32`` on the
-        device, one per CTA of one kernel (``kernels/value_stats.py``; the caller reduces them
-        on the host: ``checks.start_value_checks``); ``None`` (the caller falls back to framework
-        reductions) unless every tensor is on CUDA and the indices are contiguous int32 (int64
-        values must be checked before any cast to int32)."""
+    def value_stats(self, token_indices, attn_sink, lse, s_kv):
+        """``(rows, safe)``: ``rows`` ``[CTAS, 4] int32`` on the device, ``(min index, max index,
+        NaN/+inf sinks, NaN lse)`` per CTA of one kernel (``kernels/value_stats.py``; the caller
+        reduces them on the host: ``checks.start_value_checks``), and ``safe``, the indices with
+        every value outside ``[0, s_kv)`` replaced by ``-1`` (same shape, int32).  ``None`` (the
+        caller falls back to framework reductions) unless every tensor is on CUDA, has at most
+        ``MAX_ELEMENTS`` elements, and the indices are contiguous int32 (int64 values must be
+        checked before any cast to int32)."""
         ts = [t for t in (token_indices, attn_sink, lse) if t is not None]
         ops = ops_for(*ts)
         if (any(ops.device_kind(t) != "cuda" for t in ts) or ops.dtype(token_indices) != "int32"
                 or not ops.is_contiguous(token_indices)):
             return None
-        from .kernels.value_stats import CTAS
+        from .kernels.value_stats import CTAS, MAX_ELEMENTS
+
+        if max(math.prod(ops.shape(t)) for t in ts) > MAX_ELEMENTS:
+            return None  # its loop bounds are int32
 
         part = ops.empty((CTAS, 4), "int32", token_indices)
+        safe = ops.empty(ops.shape(token_indices), "int32", token_indices)
         dummy = None if attn_sink is not None and lse is not None else \
             ops.empty((1,), "float32", token_indices)
         flat = [ops.reshape(ops.contiguous(t), (-1,)) if t is not None else dummy
                 for t in (attn_sink, lse)]
         self._kernel(("value_stats", attn_sink is not None, lse is not None))(
-            ops.reshape(token_indices, (-1,)), flat[0], flat[1], part)
-        return part
+            ops.reshape(token_indices, (-1,)), flat[0], flat[1], part, ops.reshape(safe, (-1,)),
+            int(s_kv))
+        return part, safe
 
     def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
         self._kernel(("bwd_pre", int(out.shape[-1]), bool(natural)))(
@@ -187,6 +195,23 @@ def _sink_vector(ops, attn_sink, h, h_pad, like):
 
 def _slice_heads(ops, t, h):
     return t if ops.shape(t)[2] == h else ops.contiguous(t[:, :, :h])
+
+
+def _pending_checks(values, token_indices):
+    """Launch the deferred value checks (``values`` from :func:`_check_inputs`, or ``None``).
+
+    Returns ``(indices, before, after)``: the indices the kernels are to read (the checks' safe
+    copy, every value outside ``[0, S_kv)`` made ``-1``, where the provider made one; else
+    ``token_indices``) and where the wrapper waits for the numbers (and raises): ``after`` the
+    kernels are queued when they read the safe copy (the GPU then never idles while the host
+    waits and launches: docs/performance.md, run 43), else ``before`` the first kernel that
+    dereferences an index.  The one not used is ``None``."""
+    if values is None:
+        return token_indices, None, None
+    pending = values()
+    if pending.indices is None:
+        return token_indices, pending.finish, None
+    return pending.indices, None, pending.finish
 
 
 def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish=None):
@@ -328,22 +353,24 @@ def mqa_latent_sparse_fwd(
 def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h, values=None):
     """:func:`mqa_latent_sparse_fwd` on inputs :func:`_check_inputs` accepted (the op checks
     once with it, then calls this); ``values``: the deferred value checks, launched first and
-    finished (raising on bad values) before the kernel reads an index."""
+    finished (raising on bad values) before the call returns (:func:`_pending_checks`)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, token_indices, attn_sink)
-    finish = values() if values is not None else None
+    indices, before, after = _pending_checks(values, token_indices)
 
     q = _pad_heads(ops, ops.contiguous(query), plan.padded_heads)
     kv_c = ops.contiguous(kv)
-    idx = _prepare_indices(ops, token_indices)
+    idx = _prepare_indices(ops, indices)
     sink = _sink_vector(ops, attn_sink, dims.H, plan.padded_heads, q)
     scale = ops.full((1,), sm_scale, "float32", q)
     out = ops.empty((dims.B, dims.S, plan.padded_heads, dims.Dv), "bfloat16", q)
     lse = ops.empty((dims.B, dims.S, plan.padded_heads), "float32", q)
-    if finish is not None:
-        finish()  # the host preparation above overlapped the numbers' copy
+    if before is not None:
+        before()  # no safe copy of the indices: the numbers before the kernel reads one
     provider.fwd(plan.heads_per_cta, q, kv_c, idx, sink, scale, out, lse)
+    if after is not None:
+        after()
     return _slice_heads(ops, out, dims.H), _slice_heads(ops, lse, dims.H)
 
 
@@ -410,10 +437,11 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
          block_h, deterministic, lse_format, values=None):
     """:func:`mqa_latent_sparse_bwd` on checked inputs (the op calls this with the tensors its
     forward checked and saved); ``values``: the deferred value checks, launched after the
-    preprocess (which reads no index) and finished (raising on bad values) before the first
-    kernel that dereferences one (the deterministic mode's ``grid_scatter``, the atomic mode's
-    ``main``), so that the GPU works while their numbers reach the host (run 41:
-    the sync had left it idle for ~0.3-0.5 ms of host time per call)."""
+    preprocess (which reads no index) and finished (raising on bad values) before the call
+    returns, or, without a safe copy of the indices (:func:`_pending_checks`), before the
+    first kernel that dereferences one (the deterministic mode's ``grid_scatter``, the atomic
+    mode's ``main``), so that the GPU works while their numbers reach the host (run 41: a sync
+    first had left it idle for ~0.3-0.5 ms of host time per call)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
@@ -436,23 +464,23 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
                             _sink_vector(ops, attn_sink, H, H, lse_f),
                             ops.reshape(delta_p, (B * S, h_pad)),
                             ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows)
-    finish = values() if values is not None else None
+    indices, before, after = _pending_checks(values, token_indices)
 
     q = _pad_heads(ops, ops.contiguous(query), h_pad)
     do_p = _pad_heads(ops, do_c, h_pad)
     kv_c = ops.contiguous(kv)
-    idx = _prepare_indices(ops, token_indices)
+    idx = _prepare_indices(ops, indices)
 
     scale = ops.full((1,), sm_scale, "float32", q)
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     if deterministic:
         acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                   scale, dq, ops.contiguous(query), do_c, sm_scale, finish)
+                                   scale, dq, ops.contiguous(query), do_c, sm_scale, before)
     else:
         acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
         inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
-        if finish is not None:
-            finish()  # before the first kernel that dereferences an index
+        if before is not None:
+            before()  # before the first kernel that dereferences an index
         provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
                           delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
                           ops.empty((B, dims.S_kv), "int64", q),
@@ -465,6 +493,8 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
         d_sink = ops.zeros((H,), "float32", lse_f)
     else:
         d_sink = ops.sum(d_sink_rows, axis=0)[:H]
+    if after is not None:
+        after()
     return _slice_heads(ops, dq, H), dkv, d_sink
 
 
@@ -475,9 +505,9 @@ def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, 
     ``check_indices`` is False, ``sm_scale``.  A forward passes ``d_v``; a backward passes
     ``out``, ``grad_out`` and ``lse`` (required) and no ``d_v``: ``Dv`` is ``out``'s last dim.
     Returns ``(dims, sm_scale as a float)``; with ``defer``, ``(dims, sm_scale, values)`` and
-    the value checks are left to the caller: ``finish = values()`` launches them
-    (``checks.start_value_checks``), ``finish()`` raises on bad values (``values`` is ``None``
-    when ``check_indices`` is False)."""
+    the value checks are left to the caller: ``pending = values()`` launches them
+    (``checks.start_value_checks``), ``pending.finish()`` raises on bad values (``values`` is
+    ``None`` when ``check_indices`` is False; :func:`_pending_checks`)."""
     check = _check_bool(check_indices, "check_indices")
     dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
                          grad_out=grad_out, lse=lse, float_dtypes=("bfloat16",),
@@ -490,5 +520,5 @@ def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, check_indices, 
             return start_value_checks(dims, token_indices, attn_sink=attn_sink, lse=lse,
                                       stats=getattr(provider, "value_stats", None))
         if not defer:
-            values()()  # check_values, launched and finished here
+            values().finish()  # check_values, launched and finished here
     return (dims, sm_scale, values) if defer else (dims, sm_scale)

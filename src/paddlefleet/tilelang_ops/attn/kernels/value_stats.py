@@ -6,6 +6,11 @@ sync, so every launch before it is exposed host time: docs/performance.md, run 4
                   indices and the lse; CTA ``g`` writes ``Part[g] = (min index, max index,
                   NaN/+inf sinks, NaN lse)`` (the sinks are counted by CTA 0 only).  The host
                   reduces the ``CTAS`` rows (min, max, sum): no atomics, no zeroed output.
+                  On the way it writes ``Safe``, a copy of the indices with every value outside
+                  ``[0, S_kv)`` replaced by ``-1``: the attention kernels read that copy, so no
+                  index is ever dereferenced out of range, and the wrappers can wait for the
+                  numbers (and raise) after the kernels are queued instead of before (a wait
+                  before them left the GPU idle while the host launched them).
 """
 
 from ... import settings
@@ -13,18 +18,22 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["value_stats", "CTAS"]
+__all__ = ["value_stats", "CTAS", "MAX_ELEMENTS"]
 
 CTAS = 256
+#: The most elements of one input it handles: its loop bounds are int32 (with a CTA's stride to
+#: spare); the wrappers check larger tensors with framework reductions.
+MAX_ELEMENTS = 2**31 - 1 - 2**20
 INT_MAX = 2**31 - 1
 INT_MIN = -(2**31)
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def value_stats(has_sink: bool, has_lse: bool, threads: int = 256):
-    """``Part [CTAS, 4] int32`` from ``Indices [N] int32``, ``Sink [H] fp32`` (read if
-    ``has_sink``) and ``Lse [M] fp32`` (read if ``has_lse``); ``N``, ``H``, ``M`` dynamic.  A CTA
-    with no index to read reports ``(INT_MAX, INT_MIN, ...)``."""
+    """``Part [CTAS, 4] int32`` and ``Safe [N] int32`` from ``Indices [N] int32``, ``Sink [H]
+    fp32`` (read if ``has_sink``), ``Lse [M] fp32`` (read if ``has_lse``) and the scalar
+    ``s_kv``; ``N``, ``H``, ``M`` dynamic.  ``Safe[i] = Indices[i]`` if it is in ``[0, s_kv)``,
+    else ``-1``.  A CTA with no index to read reports ``(INT_MAX, INT_MIN, ...)``."""
     N = T.dynamic("N")
     H = T.dynamic("H")
     M = T.dynamic("M")
@@ -36,6 +45,8 @@ def value_stats(has_sink: bool, has_lse: bool, threads: int = 256):
         Sink: T.Tensor([H], "float32"),
         Lse: T.Tensor([M], "float32"),
         Part: T.Tensor([CTAS, 4], "int32"),
+        Safe: T.Tensor([N], "int32"),
+        s_kv: T.int32,
     ):
         with T.Kernel(CTAS, threads=threads) as g:
             acc = T.alloc_local([4], "int32")
@@ -50,6 +61,7 @@ def value_stats(has_sink: bool, has_lse: bool, threads: int = 256):
                 v = Indices[first + i * stride]
                 acc[0] = T.min(acc[0], v)
                 acc[1] = T.max(acc[1], v)
+                Safe[first + i * stride] = T.if_then_else(v < s_kv, T.max(v, -1), -1)
             if has_lse:
                 for i in T.serial(T.ceildiv(M - first, stride)):
                     x = Lse[first + i * stride]
