@@ -50,20 +50,25 @@ def load_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, tx, nthreads):
 def gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t):
     """Key block ``k`` (``BK`` slots of row ``s_i``) of the latent rows into ``K_l`` / ``K_r``
     (the two halves of the first ``2 DH`` columns) and ``K_t`` (the rope tail), by 128 threads
-    (``t`` in ``[0, 128)``, 8 per row).  A ``-1`` slot copies row 0 (a clamped address, never
-    the index itself); the kernels mask its score to ``-inf``."""
-    BK, DH = K_l.shape
-    D_tail = K_t.shape[1]
+    (``t`` in ``[0, 128)``, 8 per row).  ``K_l`` may be ``None`` (only the right half and the
+    tail), or ``K_r`` and ``K_t`` (only the left half): a caller that frees the two parts at
+    different times gathers them separately.  A ``-1`` slot copies row 0 (a clamped address,
+    never the index itself); the kernels mask its score to ``-inf``."""
+    BK, DH = K_l.shape if K_l is not None else K_r.shape
     for r in T.serial(BK // 16):
         j = r * 16 + t // 8
         row = T.max(Indices[b_i, s_i, k * BK + j], 0)
         for u in T.serial(DH // 64):
-            T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
-                           T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
-            T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
-                           T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
-        for u in T.serial(-(-D_tail // 64)):
-            if (t % 8) * 8 + 64 * u < D_tail:
-                T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, 2 * DH + 64 * u + (t % 8) * 8], "r",
-                                            8), 8)
+            if K_l is not None:
+                T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
+            if K_r is not None:
+                T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
+        if K_t is not None:
+            D_tail = K_t.shape[1]
+            for u in T.serial(-(-D_tail // 64)):
+                if (t % 8) * 8 + 64 * u < D_tail:
+                    T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[b_i, row, 2 * DH + 64 * u + (t % 8) * 8],
+                                                "r", 8), 8)

@@ -78,7 +78,8 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None):
+               num_stages: int = 1, warp_specialized: bool | None = None, wg0_regs: int = 256,
+               pv_lag: bool = True):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -86,7 +87,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
         d_qk: ``Dk`` (576).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail.
         block_k: key block ``BK``; ``L`` must be a multiple of it.
         warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
-            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
+            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one,
+            ``wg0_regs`` and ``pv_lag`` (its schedule knobs) to that one.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -98,7 +100,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, wg0_regs, pv_lag)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -186,7 +188,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0_regs: int = 256,
+                      pv_lag: bool = True):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
@@ -204,8 +207,18 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
     loaded with 16-byte ``cp.async`` by all 384 threads before the split; the three score GEMMs
     share one wait (run 24: -3 to -6%).
-    Registers: the consumer holding scores and half the output gets 240 per thread, the other
-    168, the producer 80 (``setmaxnreg``; 240 + 168 + 80 <= 3 x 168).
+    Registers: the consumer holding scores and half the output gets ``wg0_regs`` per thread,
+    the other 168, the producer 80 (``setmaxnreg``; the sum at most 3 x 168).  With 240 ptxas
+    spilled 52 bytes per thread in warpgroup 0 (256: none).
+
+    ``pv_lag`` (the order FlashAttention-3 calls intra-warpgroup overlap): warpgroup 0 issues
+    block ``k - 1``'s ``P V`` GEMM right after block ``k``'s score GEMMs and waits for it only
+    after block ``k``'s softmax, so that the softmax runs under the tensor cores instead of
+    between them.  The left half of a key buffer is then busy for longer than the rest, so the
+    producer gathers each buffer in two parts with their own barriers: the right half and the
+    rope tail as soon as block ``k``'s scores and warpgroup 1's ``P V`` are done, the left half
+    once warpgroup 0's lagged ``P V`` is.  Same operations on the same values in the same order
+    as without the lag (outputs bitwise equal).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
     M = heads_per_cta
@@ -220,6 +233,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     WG = 128
     Q_CHUNKS = M * d_qk // 8  # 16-byte pieces of the query tile
     assert Q_CHUNKS % (3 * WG) == 0
+    assert wg0_regs % 8 == 0 and wg0_regs + 168 + 80 <= 3 * 168
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -272,6 +286,56 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
         gather_key_block(KV, Indices, K_l, K_r, K_tail, b_i, s_i, k, t)
         T.cp_async_barrier_noinc(kv_ready[0])
 
+    @T.macro
+    def lag_block(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, K_l_prev, ready_l, ready_rt, free_rt,
+                  free_l_prev, p_ready, p_free, Indices, b_i, s_i, k, parity, acc_s, acc_o_l,
+                  row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, alpha_shared,
+                  P_shared, scale2):
+        # warpgroup 0, block k with pv_lag: the scores of block k and (k > 0) the P V of block
+        # k - 1 in flight together; the softmax of k under the latter
+        T.barrier_wait(ready_rt[0], parity)
+        T.barrier_wait(ready_l[0], parity)
+        T.fence_proxy_async()  # cp.async (generic proxy) -> wgmma (async proxy)
+        for h, j in T.Parallel(M, BK):
+            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                         -T.infinity(acc_t))
+        T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
+        T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
+        T.wgmma_gemm(Q_tail, K_tail, acc_s, transpose_B=True)
+        if k > 0:
+            T.wgmma_gemm(P_shared, K_l_prev, acc_o_l)
+            T.wait_wgmma(1)  # the scores; block k - 1's P V may still run
+        else:
+            T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_s, num_regs=M * BK // WG)
+        T.barrier_arrive(free_rt[0])  # this warpgroup is done with K_r, K_tail of block k
+        softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2)
+        T.wait_wgmma(0)  # block k - 1's P V: P_shared and K_l_prev are free
+        T.warpgroup_fence_operand(acc_o_l, num_regs=M * DH // WG)
+        if k > 0:
+            T.barrier_arrive(free_l_prev[0])
+        # warpgroup 1 must be done with block k - 1's P and rescale factor
+        T.barrier_wait(p_free[0], (k & 1) ^ 1)
+        for h in T.Parallel(M):
+            alpha_shared[h] = alpha[h]
+        T.copy(acc_s, P_shared)
+        T.fence_proxy_async()  # P is read by wgmma (both warpgroups)
+        T.barrier_arrive(p_ready[0])
+        for h, d in T.Parallel(M, DH):
+            acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
+
+    @T.macro
+    def gather_split(KV, Indices, K_l, K_r, K_tail, ready_l, ready_rt, free_l, free_rt, b_i,
+                     s_i, k, parity, t):
+        # pv_lag: the right half and tail once block k - 2's scores and right P V are done, the
+        # left half once warpgroup 0's lagged P V of block k - 2 is
+        T.barrier_wait(free_rt[0], parity ^ 1)
+        gather_key_block(KV, Indices, None, K_r, K_tail, b_i, s_i, k, t)
+        T.cp_async_barrier_noinc(ready_rt[0])
+        T.barrier_wait(free_l[0], parity ^ 1)
+        gather_key_block(KV, Indices, K_l, None, None, b_i, s_i, k, t)
+        T.cp_async_barrier_noinc(ready_l[0])
+
     @T.prim_func
     def sparse_fwd_ws(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -303,6 +367,12 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
             ready1 = T.alloc_barrier(arrive_count=WG)
             free0 = T.alloc_barrier(arrive_count=2 * WG)
             free1 = T.alloc_barrier(arrive_count=2 * WG)
+            # pv_lag: ready0 / ready1 then cover the right half and tail, free0 / free1 free them
+            # (both consumers); these: the left half (only warpgroup 0 reads it)
+            ready_l0 = T.alloc_barrier(arrive_count=WG)
+            ready_l1 = T.alloc_barrier(arrive_count=WG)
+            free_l0 = T.alloc_barrier(arrive_count=WG)
+            free_l1 = T.alloc_barrier(arrive_count=WG)
             p_ready = T.alloc_barrier(arrive_count=WG)
             p_free = T.alloc_barrier(arrive_count=WG)
             fin_ready = T.alloc_barrier(arrive_count=WG)
@@ -330,8 +400,38 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
             # written through the generic proxy, read by wgmma (the async proxy)
             T.fence_proxy_async()
 
-            if tx < WG:
-                T.set_max_nreg(240, 1)
+            if tx < WG and pv_lag:
+                T.set_max_nreg(wg0_regs, 1)
+                scale2[0] = Scale[0] * LOG2E
+                T.fill(acc_o_l, 0)
+                T.fill(row_sum, 0)
+                T.fill(row_max, -T.infinity(acc_t))
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    lag_block(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, K_l1, ready_l0, ready0, free0,
+                              free_l1, p_ready, p_free, Indices, b_i, s_i, 2 * i, i & 1, acc_s,
+                              acc_o_l, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
+                              alpha_shared, P_shared, scale2)
+                    if 2 * i + 1 < NB:
+                        lag_block(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, K_l0, ready_l1, ready1,
+                                  free1, free_l0, p_ready, p_free, Indices, b_i, s_i, 2 * i + 1,
+                                  i & 1, acc_s, acc_o_l, row_max, row_max_prev, row_sum,
+                                  blk_sum, alpha, m_shift, alpha_shared, P_shared, scale2)
+                # the last block's P V (its buffer by the parity of NB)
+                if NB > 0:
+                    if NB % 2 == 1:
+                        T.gemm(P_shared, K_l0, acc_o_l)
+                    else:
+                        T.gemm(P_shared, K_l1, acc_o_l)
+                T.barrier_wait(p_free[0], (NB & 1) ^ 1)
+                fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
+                T.barrier_arrive(fin_ready[0])
+                for h, d in T.Parallel(M, DH):
+                    acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
+                T.copy(acc_o_l, O_l)
+                T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
+                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
+            elif tx < WG:
+                T.set_max_nreg(wg0_regs, 1)
                 scale2[0] = Scale[0] * LOG2E
                 T.fill(acc_o_l, 0)
                 T.fill(row_sum, 0)
@@ -368,6 +468,15 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
                     acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
                 T.copy(acc_o_r, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
+            elif pv_lag:
+                T.set_max_nreg(80, 0)
+                t = tx - 2 * WG
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    gather_split(KV, Indices, K_l0, K_r0, K_t0, ready_l0, ready0, free_l0, free0,
+                                 b_i, s_i, 2 * i, i & 1, t)
+                    if 2 * i + 1 < NB:
+                        gather_split(KV, Indices, K_l1, K_r1, K_t1, ready_l1, ready1, free_l1,
+                                     free1, b_i, s_i, 2 * i + 1, i & 1, t)
             else:
                 T.set_max_nreg(80, 0)
                 t = tx - 2 * WG
