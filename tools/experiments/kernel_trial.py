@@ -76,6 +76,9 @@ class Variant(interface.TileLangKernels):
                          dkv_acc, bound, bound_exp)
 
 
+#: check_indices of every timed call (--check-indices)
+CHECK = False
+
 def median_ms(fn, reps):
     """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock)."""
     samples = harness.time_calls(harness.Clock(torch), lambda _: fn(), [None], 1, reps)
@@ -101,7 +104,7 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
     for pname, prov in providers.items():
         if not do_fwd.get(pname, True):
             continue
-        f = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False,
+        f = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=CHECK,
                                                     provider=prov)
         out, lse = f()
         if base_out is None:
@@ -118,7 +121,7 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
             continue
         for det in dets:
             f = lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
-                                                        deterministic=det, check_indices=False,
+                                                        deterministic=det, check_indices=CHECK,
                                                         provider=prov)
             r1, r2 = f(), f()
             same = all(torch.equal(x, y) for x, y in zip(r1, r2))
@@ -161,7 +164,11 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-shipped", action="store_true", help="variants only (for ncu)")
     ap.add_argument("--atomic-only", action="store_true", help="skip deterministic=True")
+    ap.add_argument("--check-indices", action="store_true",
+                    help="calls with the value checks on (default off: kernels and host only)")
     args = ap.parse_args()
+    global CHECK
+    CHECK = args.check_indices
     providers = {"shipped": interface.TileLangKernels()}
     do_fwd, do_bwd = {}, {}
     for spec in args.fwd:

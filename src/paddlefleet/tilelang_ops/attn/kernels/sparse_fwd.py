@@ -78,8 +78,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None, wg0_regs: int = 256,
-               pv_lag: bool = True):
+               num_stages: int = 1, warp_specialized: bool | None = None):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -87,8 +86,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
         d_qk: ``Dk`` (576).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail.
         block_k: key block ``BK``; ``L`` must be a multiple of it.
         warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
-            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one,
-            ``wg0_regs`` and ``pv_lag`` (its schedule knobs) to that one.
+            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -100,7 +98,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, wg0_regs, pv_lag)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -188,37 +186,34 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0_regs: int = 256,
-                      pv_lag: bool = True):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
-      ``cp.async`` (a ``-1`` slot copies row 0, masked below) as soon as both consumers have
-      freed that buffer, so the next block's gather runs under this block's GEMMs;
+      ``cp.async`` (a ``-1`` slot copies row 0, masked below), in two parts with their own
+      mbarriers: the right half of the latent columns and the rope tail as soon as block
+      ``k - 2``'s scores and right ``P V`` are done with them, the left half once warpgroup 0's
+      ``P V`` of block ``k - 2`` is;
     * warpgroup 0: scores ``Q K^T`` of the 64 heads, the online softmax (as in the plain
       kernel), ``P`` and the rescale factor into shared memory, and the left half of the output
       columns, ``O[:, :Dv/2] += P V[:, :Dv/2]``; at the end the sink fold and ``Lse``;
     * warpgroup 1: the right half of the output columns from the same ``P``.
 
-    One ``P`` buffer, handed over and back with two mbarriers; the key blocks alternate
-    between two buffers (the loop takes them in pairs, so each buffer's index is static), each
-    with a "ready" (producer's copies landed) and a "free" (both consumers done) mbarrier.
-    Why: with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
+    Warpgroup 0 issues block ``k - 1``'s ``P V`` right after block ``k``'s score GEMMs and waits
+    for it only after block ``k``'s softmax (the order FlashAttention-3 calls intra-warpgroup
+    overlap), so the softmax runs under the tensor cores instead of between them (run 43: ref
+    2.40 -> 2.12 ms, h128 4.99 -> 4.21, fleet 2.00 -> 1.83; outputs bitwise equal: the same
+    operations on the same values in the same order).  That keeps the left half of a key
+    buffer busy one step longer than the rest, hence the producer's two parts.
+
+    One ``P`` buffer, handed over and back with two mbarriers; the key blocks alternate between
+    two buffers (the loop takes them in pairs, so each buffer's index is static).  Why the split:
+    with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
     TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
     loaded with 16-byte ``cp.async`` by all 384 threads before the split; the three score GEMMs
     share one wait (run 24: -3 to -6%).
-    Registers: the consumer holding scores and half the output gets ``wg0_regs`` per thread,
-    the other 168, the producer 80 (``setmaxnreg``; the sum at most 3 x 168).  With 240 ptxas
-    spilled 52 bytes per thread in warpgroup 0 (256: none).
-
-    ``pv_lag`` (the order FlashAttention-3 calls intra-warpgroup overlap): warpgroup 0 issues
-    block ``k - 1``'s ``P V`` GEMM right after block ``k``'s score GEMMs and waits for it only
-    after block ``k``'s softmax, so that the softmax runs under the tensor cores instead of
-    between them.  The left half of a key buffer is then busy for longer than the rest, so the
-    producer gathers each buffer in two parts with their own barriers: the right half and the
-    rope tail as soon as block ``k``'s scores and warpgroup 1's ``P V`` are done, the left half
-    once warpgroup 0's lagged ``P V`` is.  Same operations on the same values in the same order
-    as without the lag (outputs bitwise equal).
+    Registers (``setmaxnreg``, 256 + 168 + 80 = 3 x 168): warpgroup 0 256 per thread (with 240
+    ptxas spilled 52 bytes), warpgroup 1 168, the producer 80.
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
     M = heads_per_cta
@@ -233,7 +228,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
     WG = 128
     Q_CHUNKS = M * d_qk // 8  # 16-byte pieces of the query tile
     assert Q_CHUNKS % (3 * WG) == 0
-    assert wg0_regs % 8 == 0 and wg0_regs + 168 + 80 <= 3 * 168
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -242,60 +236,17 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
     H_pad = T.dynamic("H_pad")
 
     @T.macro
-    def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, kv_ready, kv_free, p_ready, p_free,
-                        Indices, b_i, s_i, k, parity, acc_s, acc_o_l, row_max, row_max_prev,
-                        row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared, scale2):
-        T.barrier_wait(kv_ready[0], parity)
+    def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, K_l_prev, ready_l, ready_rt,
+                        free_rt, free_l_prev, p_ready, p_free, Indices, b_i, s_i, k, parity,
+                        acc_s, acc_o_l, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
+                        alpha_shared, P_shared, scale2):
+        # warpgroup 0, block k: its scores and (k > 0) block k - 1's left P V in flight
+        # together, block k's softmax under the latter
+        T.barrier_wait(ready_rt[0], parity)
+        T.barrier_wait(ready_l[0], parity)
         # the producer's cp.async wrote the keys through the generic proxy; wgmma reads them
         # through the async proxy
         T.fence_proxy_async()
-        for h, j in T.Parallel(M, BK):
-            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
-                                         -T.infinity(acc_t))
-        # one wait for the three (each T.gemm waits for its own wgmma group): a plain gemm last,
-        # whose wait covers the groups before it and fences the accumulator after the wait
-        # (reads of acc_s cannot move above it)
-        T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
-        T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
-        T.gemm(Q_tail, K_tail, acc_s, transpose_B=True)
-        # warpgroup 1 must be done with the previous P and rescale factor
-        T.barrier_wait(p_free[0], (k & 1) ^ 1)
-        softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
-                     alpha_shared)
-        for h, d in T.Parallel(M, DH):
-            acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-        T.copy(acc_s, P_shared)
-        T.gemm(P_shared, K_l, acc_o_l)
-        T.barrier_arrive(p_ready[0])
-        T.barrier_arrive(kv_free[0])
-
-    @T.macro
-    def right(K_r, kv_free, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared):
-        T.barrier_wait(p_ready[0], k & 1)
-        T.fence_proxy_async()  # the keys, as in scores_and_left (P is fenced by its writer)
-        for h, d in T.Parallel(M, DH):
-            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-        T.gemm(P_shared, K_r, acc_o_r)
-        T.barrier_arrive(p_free[0])
-        T.barrier_arrive(kv_free[0])
-
-    @T.macro
-    def gather(KV, Indices, K_l, K_r, K_tail, kv_ready, kv_free, b_i, s_i, k, parity, t):
-        # both consumers must have freed this buffer (its previous use, two blocks ago)
-        T.barrier_wait(kv_free[0], parity ^ 1)
-        gather_key_block(KV, Indices, K_l, K_r, K_tail, b_i, s_i, k, t)
-        T.cp_async_barrier_noinc(kv_ready[0])
-
-    @T.macro
-    def lag_block(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, K_l_prev, ready_l, ready_rt, free_rt,
-                  free_l_prev, p_ready, p_free, Indices, b_i, s_i, k, parity, acc_s, acc_o_l,
-                  row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, alpha_shared,
-                  P_shared, scale2):
-        # warpgroup 0, block k with pv_lag: the scores of block k and (k > 0) the P V of block
-        # k - 1 in flight together; the softmax of k under the latter
-        T.barrier_wait(ready_rt[0], parity)
-        T.barrier_wait(ready_l[0], parity)
-        T.fence_proxy_async()  # cp.async (generic proxy) -> wgmma (async proxy)
         for h, j in T.Parallel(M, BK):
             acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                          -T.infinity(acc_t))
@@ -304,13 +255,13 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
         T.wgmma_gemm(Q_tail, K_tail, acc_s, transpose_B=True)
         if k > 0:
             T.wgmma_gemm(P_shared, K_l_prev, acc_o_l)
-            T.wait_wgmma(1)  # the scores; block k - 1's P V may still run
+            T.wait_wgmma(1)  # the three score groups; block k - 1's P V may still run
         else:
             T.wait_wgmma(0)
         T.warpgroup_fence_operand(acc_s, num_regs=M * BK // WG)
-        T.barrier_arrive(free_rt[0])  # this warpgroup is done with K_r, K_tail of block k
+        T.barrier_arrive(free_rt[0])  # done with this block's right half and tail
         softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2)
-        T.wait_wgmma(0)  # block k - 1's P V: P_shared and K_l_prev are free
+        T.wait_wgmma(0)  # block k - 1's P V: P_shared and its left half are free
         T.warpgroup_fence_operand(acc_o_l, num_regs=M * DH // WG)
         if k > 0:
             T.barrier_arrive(free_l_prev[0])
@@ -321,14 +272,25 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
         T.copy(acc_s, P_shared)
         T.fence_proxy_async()  # P is read by wgmma (both warpgroups)
         T.barrier_arrive(p_ready[0])
+        # after block k - 1's P V, before block k's (issued with block k + 1's scores)
         for h, d in T.Parallel(M, DH):
             acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
 
     @T.macro
-    def gather_split(KV, Indices, K_l, K_r, K_tail, ready_l, ready_rt, free_l, free_rt, b_i,
-                     s_i, k, parity, t):
-        # pv_lag: the right half and tail once block k - 2's scores and right P V are done, the
-        # left half once warpgroup 0's lagged P V of block k - 2 is
+    def right(K_r, free_rt, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared):
+        T.barrier_wait(p_ready[0], k & 1)
+        T.fence_proxy_async()  # the keys, as in scores_and_left (P is fenced by its writer)
+        for h, d in T.Parallel(M, DH):
+            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
+        T.gemm(P_shared, K_r, acc_o_r)
+        T.barrier_arrive(p_free[0])
+        T.barrier_arrive(free_rt[0])
+
+    @T.macro
+    def gather(KV, Indices, K_l, K_r, K_tail, ready_l, ready_rt, free_l, free_rt, b_i, s_i, k,
+               parity, t):
+        # this buffer's previous use was block k - 2: its right half and tail are free once
+        # both consumers are done with them, its left half once warpgroup 0's P V is
         T.barrier_wait(free_rt[0], parity ^ 1)
         gather_key_block(KV, Indices, None, K_r, K_tail, b_i, s_i, k, t)
         T.cp_async_barrier_noinc(ready_rt[0])
@@ -363,12 +325,12 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
             O_r = Q_r
 
             q_ready = T.alloc_barrier(arrive_count=3 * WG)
-            ready0 = T.alloc_barrier(arrive_count=WG)
-            ready1 = T.alloc_barrier(arrive_count=WG)
-            free0 = T.alloc_barrier(arrive_count=2 * WG)
-            free1 = T.alloc_barrier(arrive_count=2 * WG)
-            # pv_lag: ready0 / ready1 then cover the right half and tail, free0 / free1 free them
-            # (both consumers); these: the left half (only warpgroup 0 reads it)
+            # per key buffer: its right half and tail (read by both consumers), its left half
+            # (read by warpgroup 0 only)
+            ready_rt0 = T.alloc_barrier(arrive_count=WG)
+            ready_rt1 = T.alloc_barrier(arrive_count=WG)
+            free_rt0 = T.alloc_barrier(arrive_count=2 * WG)
+            free_rt1 = T.alloc_barrier(arrive_count=2 * WG)
             ready_l0 = T.alloc_barrier(arrive_count=WG)
             ready_l1 = T.alloc_barrier(arrive_count=WG)
             free_l0 = T.alloc_barrier(arrive_count=WG)
@@ -400,52 +362,30 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
             # written through the generic proxy, read by wgmma (the async proxy)
             T.fence_proxy_async()
 
-            if tx < WG and pv_lag:
-                T.set_max_nreg(wg0_regs, 1)
+            if tx < WG:
+                T.set_max_nreg(256, 1)
                 scale2[0] = Scale[0] * LOG2E
                 T.fill(acc_o_l, 0)
                 T.fill(row_sum, 0)
                 T.fill(row_max, -T.infinity(acc_t))
                 for i in T.serial(T.ceildiv(NB, 2)):
-                    lag_block(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, K_l1, ready_l0, ready0, free0,
-                              free_l1, p_ready, p_free, Indices, b_i, s_i, 2 * i, i & 1, acc_s,
-                              acc_o_l, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                              alpha_shared, P_shared, scale2)
+                    scores_and_left(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, K_l1, ready_l0,
+                                    ready_rt0, free_rt0, free_l1, p_ready, p_free, Indices, b_i,
+                                    s_i, 2 * i, i & 1, acc_s, acc_o_l, row_max, row_max_prev,
+                                    row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared,
+                                    scale2)
                     if 2 * i + 1 < NB:
-                        lag_block(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, K_l0, ready_l1, ready1,
-                                  free1, free_l0, p_ready, p_free, Indices, b_i, s_i, 2 * i + 1,
-                                  i & 1, acc_s, acc_o_l, row_max, row_max_prev, row_sum,
-                                  blk_sum, alpha, m_shift, alpha_shared, P_shared, scale2)
+                        scores_and_left(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, K_l0, ready_l1,
+                                        ready_rt1, free_rt1, free_l0, p_ready, p_free, Indices,
+                                        b_i, s_i, 2 * i + 1, i & 1, acc_s, acc_o_l, row_max,
+                                        row_max_prev, row_sum, blk_sum, alpha, m_shift,
+                                        alpha_shared, P_shared, scale2)
                 # the last block's P V (its buffer by the parity of NB)
                 if NB > 0:
                     if NB % 2 == 1:
                         T.gemm(P_shared, K_l0, acc_o_l)
                     else:
                         T.gemm(P_shared, K_l1, acc_o_l)
-                T.barrier_wait(p_free[0], (NB & 1) ^ 1)
-                fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
-                T.barrier_arrive(fin_ready[0])
-                for h, d in T.Parallel(M, DH):
-                    acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-                T.copy(acc_o_l, O_l)
-                T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
-                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
-            elif tx < WG:
-                T.set_max_nreg(wg0_regs, 1)
-                scale2[0] = Scale[0] * LOG2E
-                T.fill(acc_o_l, 0)
-                T.fill(row_sum, 0)
-                T.fill(row_max, -T.infinity(acc_t))
-                for i in T.serial(T.ceildiv(NB, 2)):
-                    scores_and_left(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, ready0, free0, p_ready,
-                                    p_free, Indices, b_i, s_i, 2 * i, i & 1, acc_s, acc_o_l,
-                                    row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                                    alpha_shared, P_shared, scale2)
-                    if 2 * i + 1 < NB:
-                        scores_and_left(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, ready1, free1,
-                                        p_ready, p_free, Indices, b_i, s_i, 2 * i + 1, i & 1,
-                                        acc_s, acc_o_l, row_max, row_max_prev, row_sum, blk_sum,
-                                        alpha, m_shift, alpha_shared, P_shared, scale2)
                 # the sink fold of sparse_fwd, then the final factor for warpgroup 1
                 T.barrier_wait(p_free[0], (NB & 1) ^ 1)
                 fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
@@ -459,32 +399,25 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, wg0
                 T.set_max_nreg(168, 1)
                 T.fill(acc_o_r, 0)
                 for i in T.serial(T.ceildiv(NB, 2)):
-                    right(K_r0, free0, p_ready, p_free, 2 * i, acc_o_r, alpha_shared, P_shared)
+                    right(K_r0, free_rt0, p_ready, p_free, 2 * i, acc_o_r, alpha_shared,
+                          P_shared)
                     if 2 * i + 1 < NB:
-                        right(K_r1, free1, p_ready, p_free, 2 * i + 1, acc_o_r, alpha_shared,
+                        right(K_r1, free_rt1, p_ready, p_free, 2 * i + 1, acc_o_r, alpha_shared,
                               P_shared)
                 T.barrier_wait(fin_ready[0], 0)
                 for h, d in T.Parallel(M, DH):
                     acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
                 T.copy(acc_o_r, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
-            elif pv_lag:
-                T.set_max_nreg(80, 0)
-                t = tx - 2 * WG
-                for i in T.serial(T.ceildiv(NB, 2)):
-                    gather_split(KV, Indices, K_l0, K_r0, K_t0, ready_l0, ready0, free_l0, free0,
-                                 b_i, s_i, 2 * i, i & 1, t)
-                    if 2 * i + 1 < NB:
-                        gather_split(KV, Indices, K_l1, K_r1, K_t1, ready_l1, ready1, free_l1,
-                                     free1, b_i, s_i, 2 * i + 1, i & 1, t)
             else:
                 T.set_max_nreg(80, 0)
                 t = tx - 2 * WG
                 for i in T.serial(T.ceildiv(NB, 2)):
-                    gather(KV, Indices, K_l0, K_r0, K_t0, ready0, free0, b_i, s_i, 2 * i, i & 1, t)
+                    gather(KV, Indices, K_l0, K_r0, K_t0, ready_l0, ready_rt0, free_l0, free_rt0,
+                           b_i, s_i, 2 * i, i & 1, t)
                     if 2 * i + 1 < NB:
-                        gather(KV, Indices, K_l1, K_r1, K_t1, ready1, free1, b_i, s_i, 2 * i + 1,
-                               i & 1, t)
+                        gather(KV, Indices, K_l1, K_r1, K_t1, ready_l1, ready_rt1, free_l1,
+                               free_rt1, b_i, s_i, 2 * i + 1, i & 1, t)
 
     return sparse_fwd_ws
 
