@@ -216,11 +216,14 @@ def test_nan_lse_is_not_masked(fw):
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("natural", [True, False])
-def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
+@pytest.mark.parametrize("with_do2", [False, True])
+def test_preprocess_stand_in_is_the_former_framework_code(fw, natural, with_do2):
     """The preprocess kernel replaced framework ops (run 41): the lse bridge, ``-inf -> 0``, the
     head padding of lse2 and Delta, ``d_sink = -sum P_sink Delta``.  Its stand-in (which the GPU
     test holds the kernel to) gives what those ops gave, written here as they were: with a NaN,
-    +inf and -inf lse, a -inf sink, pad heads (H=5 in tiles of 16)."""
+    +inf and -inf lse, a -inf sink, pad heads (H=5 in tiles of 16).  ``with_do2`` (the
+    deterministic backward): also |dO|^2 per (row, head) in fp64, the norm grid_rows used to take
+    of dO (0 at pad heads), and the other outputs unchanged."""
     rng = np.random.default_rng(31 + natural)
     B, S, H, h_pad = 2, 3, 5, 16
     out = rng.standard_normal((B, S, H, DV), dtype=np.float32)
@@ -233,10 +236,23 @@ def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
          for k, v in dict(out=out, do=do, lse=lse, sink=sink).items()}
     ops = ops_for(t["lse"])
     got = [ops.zeros((B * S, h_pad), "float32", t["lse"]) for _ in range(3)]
-    CpuStandIn().bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
-                                ops.reshape(t["do"], (B * S * H, DV)),
-                                ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
-    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got)
+    if with_do2:
+        got.append(ops.full((B * S, h_pad), np.nan, "float64", t["lse"]))
+    prov = CpuStandIn()
+    prov.bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
+                        ops.reshape(t["do"], (B * S * H, DV)),
+                        ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
+    assert prov.calls == [("pre", natural, with_do2)]
+    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got[:3])
+    if with_do2:
+        do2 = to_numpy(got[3]).reshape(B, S, h_pad)
+        do_f = to_numpy(t["do"]).astype(np.float64)
+        assert do2.dtype == np.float64 and not do2[..., H:].any()
+        # the squares of bf16 values are exact in fp64: the sum to fp64 rounding; fp32 norms
+        # (the former framework op) to fp32 rounding
+        np.testing.assert_allclose(do2[..., :H], (do_f * do_f).sum(-1), rtol=1e-14, atol=0)
+        norm32 = to_numpy(ops.row_norm(ops.cast(t["do"], "float32"))).astype(np.float64)
+        np.testing.assert_allclose(do2[..., :H], norm32 * norm32, rtol=1e-5, atol=0)
 
     # the former framework code (interface._bwd and _d_sink before run 41), in numpy
     want_delta = (to_numpy(t["out"]).astype(np.float64) * to_numpy(t["do"])).sum(-1)
