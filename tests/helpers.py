@@ -359,12 +359,16 @@ class CpuStandIn:
         top = float(to_numpy(top).reshape(-1)[0])
         return 40.0 - np.ceil(np.log2(top if top > 0 else 1.0))
 
-    def exact_grid_rows(self, q, grad_out, indices, kv_norm, c_row, kv_coef):
+    def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
+        # q [B, S, H, Dk] bf16 (the real heads); do2 [B, S, H_pad] fp64, |dO|^2 (the
+        # preprocess's): only its first H heads are read
         self.calls.append(("grid_rows",))
-        Q, DO = to_numpy(q).astype(np.float64), to_numpy(grad_out).astype(np.float64)
+        Q = to_numpy(q).astype(np.float64)
+        DO2 = to_numpy(do2)[:, :, :Q.shape[2]]
+        assert DO2.dtype == np.float64, DO2.dtype
         norm = np.float64(to_numpy(kv_norm).reshape(-1)[0])
         kscale = norm * norm * np.float64(kv_coef)
-        w = (DO * DO).sum(-1) * (kscale * (Q * Q).sum(-1) + 1.0 / DO.shape[-1])  # [B, S, H]
+        w = DO2 * (kscale * (Q * Q).sum(-1) + 1.0 / d_v)  # [B, S, H]
         n_valid = (to_numpy(indices) >= 0).sum(-1)
         _write(c_row, 4.0 * np.sqrt(w.sum(-1)) / np.maximum(n_valid, 1).astype(np.float64))
 

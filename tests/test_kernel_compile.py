@@ -166,11 +166,13 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         if idx_read in src:
             _guarded(src, idx_read, ["< L)"])
     if name == "grid_rows":
-        # 16-byte loads of each head row, fp64 squares, three butterflies (|q|^2, |dO|^2, count)
+        # 16-byte loads of each head row of q, fp64 squares, two butterflies (|q|^2, count);
+        # |dO|^2 read from the preprocess's fp64 DO2 (dO itself is not an argument any more)
         assert re.search(r"\*\(uint4\*\)\(qv \+ 0\) = \*\(uint4\*\)\(Q \+ ", src)
-        assert re.search(r"\*\(uint4\*\)\(ov \+ 0\) = \*\(uint4\*\)\(dO \+ ", src)
         assert "((double)qv[e]) * ((double)qv[e])" in src
-        assert src.count("__shfl_xor_sync") == 15
+        assert src.count("__shfl_xor_sync") == 10
+        assert "const double* __restrict__ DO2" in sig and "bfloat16_t* __restrict__ dO" not in sig
+        assert "DO2[" in src
         assert "double kv_coef" in sig and "sqrt(" in src
     elif name == "grid_scatter":
         assert _guarded(src, "AtomicAdd((&(Est[", ["(0 <= j[0]) && (j[0] < S_kv)"]) == 1

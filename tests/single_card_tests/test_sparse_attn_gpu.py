@@ -32,6 +32,7 @@ from helpers import (
     exact_first_pass_state,
     extreme_logits_case,
     rel_l2,
+    square_norms,
 )
 
 pytestmark = pytest.mark.gpu
@@ -154,9 +155,9 @@ if cuda_available():
                                                                        *v),
                       [("dkv", dkv, True)], whole=True)
 
-        def exact_grid_rows(self, q, do, idx, kv_norm, c_row, kv_coef):
+        def exact_grid_rows(self, d_v, q, do2, idx, kv_norm, c_row, kv_coef):
             self._run(lambda v: super(GuardedKernels, self).exact_grid_rows(
-                q, do, idx, kv_norm, *v, kv_coef), [("c_row", c_row, True)], whole=True)
+                d_v, q, do2, idx, kv_norm, *v, kv_coef), [("c_row", c_row, True)], whole=True)
 
         def exact_grid_scatter(self, c_row, top, idx, est):
             self._run(lambda v: super(GuardedKernels, self).exact_grid_scatter(
@@ -488,8 +489,10 @@ GRID_CASES = [
 @pytest.mark.parametrize("case", GRID_CASES, ids=[c["id"] for c in GRID_CASES])
 def test_exact_grid_kernels_match_the_stand_in(case):
     """Each bookkeeping kernel against its numpy stand-in (``helpers.CpuStandIn``, itself held to
-    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs: the row
-    weights to fp64 rounding (the sums' order differs) and bitwise repeatable; from the same
+    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs: the
+    preprocess's |dO|^2 (``DO2``, fp64, 3 pad heads) to fp64 rounding, 0 at pad heads and
+    bitwise repeatable; the row weights from it to fp64 rounding (the sums' order differs) and
+    bitwise repeatable; from the same
     row weights the int64 estimates and the grids (margins 2, -40, +12) exactly; the re-run
     plan (every branch: ``helpers.exact_first_pass_state``) exactly (over, the scaled grids,
     the cleared accumulator rows); the slot compaction exactly (the same slots per row, in the
@@ -510,13 +513,23 @@ def test_exact_grid_kernels_match_the_stand_in(case):
     idx = torch.from_numpy(idx_np).cuda()
     prov, ref = GuardedKernels(), CpuStandIn()
 
+    # |dO|^2 from the preprocess kernel (as the deterministic backward makes it), against
+    # numpy: the fp64 sum of the exact fp64 squares, in another order
+    do2, do2_again, do2_ref = (square_norms(p, do, H + 3) for p in (prov, prov, ref))
+    assert do2.dtype == torch.float64 and do2.shape == (B, S, H + 3)
+    assert torch.equal(do2, do2_again), "|dO|^2 not bitwise repeatable"
+    torch.testing.assert_close(do2, do2_ref, rtol=1e-12, atol=0)
+    assert not bool(do2[..., H:].any()) and not bool(do2[0, 1].any())
+    do_f = do.double()
+    torch.testing.assert_close(do2[..., :H], (do_f * do_f).sum(-1), rtol=1e-12, atol=0)
+
     kv_norm = torch.linalg.vector_norm(kv.reshape(1, -1), dim=-1, dtype=torch.float32)
     coef = SM_SCALE**2 / (kv.numel() * DK)
     c_row, c_again, c_ref = (torch.empty((B, S), dtype=torch.float64, device="cuda")
                              for _ in range(3))
-    prov.exact_grid_rows(q, do, idx, kv_norm, c_row, coef)
-    prov.exact_grid_rows(q, do, idx, kv_norm, c_again, coef)
-    ref.exact_grid_rows(q, do, idx, kv_norm, c_ref, coef)
+    prov.exact_grid_rows(DV, q, do2, idx, kv_norm, c_row, coef)
+    prov.exact_grid_rows(DV, q, do2, idx, kv_norm, c_again, coef)
+    ref.exact_grid_rows(DV, q, do2_ref, idx, kv_norm, c_ref, coef)
     assert torch.equal(c_row, c_again), "row weights not bitwise repeatable"
     torch.testing.assert_close(c_row, c_ref, rtol=1e-12, atol=0)
     assert c_row[0, 1] == 0 and bool((c_row[0, 2:] > 0).all())
@@ -699,8 +712,8 @@ def test_new_shapes_do_not_recompile():
     assert sorted({k[0] for k in prov._kernels}) == [
         "bwd_finish", "bwd_main", "bwd_pre", "fwd", "grid_keys", "grid_rows", "grid_scatter",
         "rerun_plan", "rerun_slots", "value_stats"]
-    # the value checks (forward: sink; backward: sink and lse), fwd, pre, main exact with dq
-    # and its re-run, finish, the exact dKV's five bookkeeping kernels
+    # the value checks (forward: sink; backward: sink and lse), fwd, pre (with |dO|^2), main
+    # exact with dq and its re-run, finish, the exact dKV's five bookkeeping kernels
     assert len(prov._kernels) == 12
 
 

@@ -4,7 +4,8 @@
 * ``value_stats.value_stats``: the wrappers' value checks (index range, NaN/+inf sinks, NaN
   lse) in one launch;
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta, the base-2 lse and the rows'
-  ``d_sink`` terms) -> ``sparse_bwd.main``
+  ``d_sink`` terms; for the deterministic backward also each row's ``|dO|^2`` in fp64, which
+  ``grid_rows`` takes) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
   -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
