@@ -23,7 +23,8 @@ Helpers:
 * ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
 * ``distinct_indices(...)``, ``exact_first_pass_state(...)``: inputs of the exact dKV's
   bookkeeping kernels (top-k rows with unnamed keys and ``-1`` slots; a first pass's bounds
-  covering every branch of the re-run plan), numpy.
+  covering every branch of the re-run plan), numpy; ``square_norms(provider, grad_out)``: the
+  rows' fp64 ``|dO|^2`` that ``grid_rows`` takes, from the provider's preprocess.
 * ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
   and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
 
@@ -266,10 +267,11 @@ class CpuStandIn:
         _write(out, o_all)
         _write(lse, l_all)
 
-    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
+    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows, do2=None):
         # out, do [R H, Dv]; lse [R H]; sink [H] (-inf: none); outputs [R, H_pad], 0 at pad
-        # heads.  The bridge in fp64 (the kernel's in fp32, the same formula)
-        self.calls.append(("pre", bool(natural)))
+        # heads.  The bridge in fp64 (the kernel's in fp32, the same formula); do2 (optional,
+        # fp64): |dO|^2 per (row, head), the squares of the bf16 values exact in fp64
+        self.calls.append(("pre", bool(natural), do2 is not None))
         SINK = to_numpy(sink).astype(np.float64)
         H = SINK.shape[0]
         R = to_numpy(delta).shape[0]
@@ -286,6 +288,10 @@ class CpuStandIn:
         _write(delta, DEL)
         _write(lse2, L2)
         _write(d_sink_rows, DS)
+        if do2 is not None:
+            SQ = np.zeros(DEL.shape)
+            SQ[:, :H] = (DO * DO).sum(-1)
+            _write(do2, SQ)
 
     def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
                  dq, acc, bound, bound_exp):
@@ -353,12 +359,16 @@ class CpuStandIn:
         top = float(to_numpy(top).reshape(-1)[0])
         return 40.0 - np.ceil(np.log2(top if top > 0 else 1.0))
 
-    def exact_grid_rows(self, q, grad_out, indices, kv_norm, c_row, kv_coef):
+    def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
+        # q [B, S, H, Dk] bf16 (the real heads); do2 [B, S, H_pad] fp64, |dO|^2 (the
+        # preprocess's): only its first H heads are read
         self.calls.append(("grid_rows",))
-        Q, DO = to_numpy(q).astype(np.float64), to_numpy(grad_out).astype(np.float64)
+        Q = to_numpy(q).astype(np.float64)
+        DO2 = to_numpy(do2)[:, :, :Q.shape[2]]
+        assert DO2.dtype == np.float64, DO2.dtype
         norm = np.float64(to_numpy(kv_norm).reshape(-1)[0])
         kscale = norm * norm * np.float64(kv_coef)
-        w = (DO * DO).sum(-1) * (kscale * (Q * Q).sum(-1) + 1.0 / DO.shape[-1])  # [B, S, H]
+        w = DO2 * (kscale * (Q * Q).sum(-1) + 1.0 / d_v)  # [B, S, H]
         n_valid = (to_numpy(indices) >= 0).sum(-1)
         _write(c_row, 4.0 * np.sqrt(w.sum(-1)) / np.maximum(n_valid, 1).astype(np.float64))
 
@@ -429,6 +439,24 @@ def distinct_indices(rng, B, S, S_kv, L, used_keys, empty_rows=(), fill=0.8):
     for r in empty_rows:
         idx[:, r] = -1
     return idx
+
+
+def square_norms(provider, grad_out, h_pad=None):
+    """``|dO|^2 [B, S, H_pad] fp64`` of ``grad_out [B, S, H, Dv]`` (bf16) as the deterministic
+    backward makes it: the preprocess's extra output (``provider.bwd_preprocess`` with ``do2``;
+    the other outputs from ``out = grad_out``, ``lse = 0`` and no sink), 0 at pad heads
+    ``H <= h < h_pad`` (default ``H``).  Works with any provider and framework (CPU stand-in,
+    GPU kernels)."""
+    ops = ops_for(grad_out)
+    b, s, h, d_v = ops.shape(grad_out)
+    h_pad = h if h_pad is None else h_pad
+    rows = ops.reshape(ops.contiguous(grad_out), (b * s * h, d_v))
+    do2 = ops.empty((b, s, h_pad), "float64", grad_out)
+    outs = [ops.empty((b * s, h_pad), "float32", grad_out) for _ in range(3)]
+    provider.bwd_preprocess(True, rows, rows, ops.zeros((b * s * h,), "float32", grad_out),
+                            ops.full((h,), -math.inf, "float32", grad_out), *outs,
+                            ops.reshape(do2, (b * s, h_pad)))
+    return do2
 
 
 def exact_first_pass_state(rng, B, S_kv, n_max, d_k=576):

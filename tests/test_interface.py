@@ -99,6 +99,8 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     plan = tiling.head_plan(H)
     head = ("main", plan.heads_per_cta, plan.padded_heads, 128)
     finish = ("finish", plan.heads_per_cta, det)
+    # the preprocess writes |dO|^2 for the grid estimate in the deterministic mode only
+    assert prov.calls[1] == ("pre", lse_format == "natural", det)
     if det:  # the grids, the first pass, the re-run plan, the re-run of the keys over their bound
         assert prov.calls[2:] == [("grid_rows",), ("grid_scatter",), ("grid_keys",),
                                   head + ("exact", True), ("rerun_plan",), ("rerun_slots",),
@@ -216,11 +218,14 @@ def test_nan_lse_is_not_masked(fw):
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("natural", [True, False])
-def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
+@pytest.mark.parametrize("with_do2", [False, True])
+def test_preprocess_stand_in_is_the_former_framework_code(fw, natural, with_do2):
     """The preprocess kernel replaced framework ops (run 41): the lse bridge, ``-inf -> 0``, the
     head padding of lse2 and Delta, ``d_sink = -sum P_sink Delta``.  Its stand-in (which the GPU
     test holds the kernel to) gives what those ops gave, written here as they were: with a NaN,
-    +inf and -inf lse, a -inf sink, pad heads (H=5 in tiles of 16)."""
+    +inf and -inf lse, a -inf sink, pad heads (H=5 in tiles of 16).  ``with_do2`` (the
+    deterministic backward): also |dO|^2 per (row, head) in fp64, the norm grid_rows used to take
+    of dO (0 at pad heads), and the other outputs unchanged."""
     rng = np.random.default_rng(31 + natural)
     B, S, H, h_pad = 2, 3, 5, 16
     out = rng.standard_normal((B, S, H, DV), dtype=np.float32)
@@ -233,10 +238,23 @@ def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
          for k, v in dict(out=out, do=do, lse=lse, sink=sink).items()}
     ops = ops_for(t["lse"])
     got = [ops.zeros((B * S, h_pad), "float32", t["lse"]) for _ in range(3)]
-    CpuStandIn().bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
-                                ops.reshape(t["do"], (B * S * H, DV)),
-                                ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
-    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got)
+    if with_do2:
+        got.append(ops.full((B * S, h_pad), np.nan, "float64", t["lse"]))
+    prov = CpuStandIn()
+    prov.bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
+                        ops.reshape(t["do"], (B * S * H, DV)),
+                        ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
+    assert prov.calls == [("pre", natural, with_do2)]
+    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got[:3])
+    if with_do2:
+        do2 = to_numpy(got[3]).reshape(B, S, h_pad)
+        do_f = to_numpy(t["do"]).astype(np.float64)
+        assert do2.dtype == np.float64 and not do2[..., H:].any()
+        # the squares of bf16 values are exact in fp64: the sum to fp64 rounding; fp32 norms
+        # (the former framework op) to fp32 rounding
+        np.testing.assert_allclose(do2[..., :H], (do_f * do_f).sum(-1), rtol=1e-14, atol=0)
+        norm32 = to_numpy(ops.row_norm(ops.cast(t["do"], "float32"))).astype(np.float64)
+        np.testing.assert_allclose(do2[..., :H], norm32 * norm32, rtol=1e-5, atol=0)
 
     # the former framework code (interface._bwd and _d_sink before run 41), in numpy
     want_delta = (to_numpy(t["out"]).astype(np.float64) * to_numpy(t["do"])).sum(-1)
@@ -249,6 +267,82 @@ def test_preprocess_stand_in_is_the_former_framework_code(fw, natural):
     np.testing.assert_allclose(-d_rows[..., :H].sum((0, 1)), -want_ds, rtol=1e-5)
     assert np.isnan(lse2[0, 0, 0]) and lse2[0, 1, 1] == np.inf and lse2[1, 2, 2] == 0
     assert not (delta[..., H:].any() or lse2[..., H:].any() or d_rows[..., H:].any())
+
+
+class _SquareNormsSeen(CpuStandIn):
+    """The stand-in, keeping the ``do2`` the preprocess wrote and the one grid_rows was given
+    (numpy copies) and grid_rows' ``Dv``."""
+
+    def __init__(self):
+        super().__init__()
+        self.written, self.read = [], []
+
+    def bwd_preprocess(self, *args, do2=None):
+        if len(args) == 9:
+            *args, do2 = args
+        super().bwd_preprocess(*args, do2)
+        if do2 is not None:
+            self.written.append(to_numpy(do2).copy())
+
+    def exact_grid_rows(self, d_v, q, do2, *rest):
+        self.read.append((d_v, to_numpy(do2).copy()))
+        super().exact_grid_rows(d_v, q, do2, *rest)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("H, block_h", [(5, None), (40, 16)])
+def test_grid_estimate_takes_the_preprocess_square_norms(fw, H, block_h):
+    """The deterministic backward asks the preprocess for |dO|^2 and hands exactly that tensor's
+    values to grid_rows (with Dv): ``[B, S, H_pad]`` fp64, the sum of each (row, head)'s squared
+    dO, 0 at pad heads; the first-pass grids are then the ones a direct numpy computation from q
+    and dO gives.  The atomic backward asks for none and launches no grid kernel."""
+    B, S, S_kv, L = 2, 5, 70, 64
+    q, kv, do, sk, idx = _case(fw, B, S, S_kv, H, L, True, seed=H + 50, empty_rows=(1,))
+    prov = _SquareNormsSeen()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, block_h=block_h,
+                                    deterministic=False, provider=prov)
+    assert prov.written == [] and prov.read == []
+    grids = []
+
+    class _Grids(_SquareNormsSeen):
+        def exact_grid_keys(self, est, top, inv_grid, *rest):
+            super().exact_grid_keys(est, top, inv_grid, *rest)
+            grids.append(to_numpy(inv_grid).copy())
+
+    prov = _Grids()
+    interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, block_h=block_h,
+                                    provider=prov)
+    h_pad = tiling.head_plan(H, block_h).padded_heads
+    (written,), ((d_v, read),) = prov.written, prov.read
+    assert d_v == DV and written.shape == (B * S, h_pad) and written.dtype == np.float64
+    assert np.array_equal(read.reshape(B * S, h_pad), written)
+    do_f = to_numpy(do).astype(np.float64)
+    want = np.zeros((B, S, h_pad))
+    want[..., :H] = (do_f * do_f).sum(-1)
+    np.testing.assert_allclose(read.reshape(B, S, h_pad), want, rtol=1e-14, atol=0)
+
+    # the grids from a direct computation: c_s = 4 sqrt(sum_h |dO_sh|^2 (kscale |q_sh|^2 +
+    # 1 / Dv)) / L_s, E_j = sum over the rows naming key j of ceil(c_s 2^F), e_j from E_j
+    q_f, kv_f = to_numpy(q).astype(np.float64), to_numpy(kv)
+    kv_norm = np.float64(np.float32(np.sqrt((kv_f.astype(np.float64) ** 2).sum())))
+    kscale = kv_norm * kv_norm * SM * SM / (kv_f.size * DK)
+    w = want[..., :H] * (kscale * (q_f * q_f).sum(-1) + 1.0 / DV)
+    idx_np = to_numpy(idx)
+    n_valid = (idx_np >= 0).sum(-1)
+    c = 4.0 * np.sqrt(w.sum(-1)) / np.maximum(n_valid, 1)
+    frac = 40.0 - np.ceil(np.log2(c.max()))
+    est = np.zeros((B, S_kv))
+    for b in range(B):
+        for s in range(S):
+            keys = idx_np[b, s][idx_np[b, s] >= 0]
+            est[b, keys] += np.ceil(np.ldexp(c[b, s], int(frac)))
+    e = np.ceil(np.log2(np.where(est > 0, est, 1.0))) - frac + (
+        interface.GRID_MARGIN_BITS - interface.EXACT_BITS)
+    e = np.clip(e, *interface._GRID_EXP_RANGE)
+    # a different order of fp64 additions may move c_s by an ulp: a power-of-two step at most
+    got_e = -np.log2(grids[0].astype(np.float64))
+    assert np.abs(got_e - e).max() <= 1 and (got_e == e).mean() > 0.95
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -65,8 +65,12 @@ def _specs():
     from paddlefleet.tilelang_ops.attn import kernels
 
     want = [("fwd", 64), ("bwd_main", (64, "exact", True)), ("bwd_main", (64, "exact", False)),
-            ("bwd_main", (16, "atomic", True)), ("bwd_pre", None)]
+            ("bwd_main", (16, "atomic", True)), ("bwd_pre", (True, False)),
+            ("bwd_pre", (True, True))]
+
     def tag(name, args):
+        if name == "bwd_pre":  # (natural, with |dO|^2)
+            return name, (args[1], len(args) > 2 and args[2])
         return (name, args[0] if name == "fwd" else (args[0], args[3], args[4])
                 if name == "bwd_main" else None)
 
@@ -113,7 +117,8 @@ def test_every_kernel_takes_the_shared_pass_configs():
 
 
 @pytest.mark.parametrize("name, args", SPECS,
-                         ids=["_".join(map(str, (n,) + a[:1] + a[3:5])) for n, a in SPECS])
+                         ids=["_".join(map(str, (n,) + (a if n == "bwd_pre" else a[:1] + a[3:5])))
+                              for n, a in SPECS])
 def test_kernel_lowers_for_sm90a(name, args):
     art = _lower(name, args)
     src = art.kernel_source
@@ -161,11 +166,13 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         if idx_read in src:
             _guarded(src, idx_read, ["< L)"])
     if name == "grid_rows":
-        # 16-byte loads of each head row, fp64 squares, three butterflies (|q|^2, |dO|^2, count)
+        # 16-byte loads of each head row of q, fp64 squares, two butterflies (|q|^2, count);
+        # |dO|^2 read from the preprocess's fp64 DO2 (dO itself is not an argument any more)
         assert re.search(r"\*\(uint4\*\)\(qv \+ 0\) = \*\(uint4\*\)\(Q \+ ", src)
-        assert re.search(r"\*\(uint4\*\)\(ov \+ 0\) = \*\(uint4\*\)\(dO \+ ", src)
         assert "((double)qv[e]) * ((double)qv[e])" in src
-        assert src.count("__shfl_xor_sync") == 15
+        assert src.count("__shfl_xor_sync") == 10
+        assert "const double* __restrict__ DO2" in sig and "bfloat16_t* __restrict__ dO" not in sig
+        assert "DO2[" in src
         assert "double kv_coef" in sig and "sqrt(" in src
     elif name == "grid_scatter":
         assert _guarded(src, "AtomicAdd((&(Est[", ["(0 <= j[0]) && (j[0] < S_kv)"]) == 1
@@ -278,8 +285,9 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name, args", SPECS[:3] + GRID_SPECS,
-                         ids=["fwd64", "main64_exact", "main64_rerun"] + [n for n, _ in GRID_SPECS])
+@pytest.mark.parametrize("name, args", SPECS[:3] + SPECS[-1:] + GRID_SPECS,
+                         ids=["fwd64", "main64_exact", "main64_rerun", "pre_do2"]
+                         + [n for n, _ in GRID_SPECS])
 def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     import tilelang
 
@@ -333,3 +341,25 @@ def test_preprocess_keeps_a_nan_lse():
     src = _lower("bwd_pre", (512, True)).kernel_source
     # CUDA's NaN test as TileLang writes T.isnan: x != x (or isnan)
     assert re.search(r"(\bLse\[[^\]]*\]|\blse\w*) != (\bLse\[|\blse)", src) or "isnan" in src
+
+
+def test_preprocess_writes_square_norms_only_when_asked():
+    """The deterministic backward's preprocess (``with_do2``) also writes each (row, head)'s
+    ``|dO|^2`` in fp64 (``DO2``, for ``grid_rows``): each thread's own 16-byte vectors of dO,
+    the squares of the bf16 values in fp64 (exact), a 16-lane butterfly per row (fixed order),
+    one write per row by lane 0 of its 16 and zeros for the pad heads; Delta, Lse2 and DSink as
+    without it.  The atomic backward's kernel (without) has no DO2 and no fp64 at all."""
+    plain = _lower("bwd_pre", (512, True)).kernel_source
+    do2 = _lower("bwd_pre", (512, True, True)).kernel_source
+    assert "DO2" not in plain and "double" not in plain
+    assert "double* __restrict__ DO2" in _signature(do2, "sparse_bwd_preprocess")
+    assert re.search(r"\*\(uint4\*\)\(ov \+ 0\) = \*\(uint4\*\)\(dO \+ ", do2)
+    assert "(((double)ov[e]) * ((double)ov[e]))" in do2
+    assert re.search(r"sq\[(\w+)\] = \(sq\[\1\] \+ __shfl_xor_sync\(\(uint\)4294967295, sq\[\1\], "
+                     r"\(16 >> \(k \+ 1\)\), 32\)\)", do2)
+    assert len(re.findall(r"DO2\[[^;]*\] = sq\[", do2)) == 1
+    assert len(re.findall(r"DO2\[[^;]*\] = 0x0p\+0", do2)) == 1
+    assert "% 16) == 0) && (" in do2[do2.index("__shfl_xor_sync"):do2.index("= sq[")]
+    # the plain kernel's outputs and sums are all there
+    for name in ("Delta[", "Lse2[", "DSink[", "tl::AllReduce<tl::SumOp, 16, 1, 0"):
+        assert name in do2 and name in plain

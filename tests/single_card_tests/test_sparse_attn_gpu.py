@@ -32,6 +32,7 @@ from helpers import (
     exact_first_pass_state,
     extreme_logits_case,
     rel_l2,
+    square_norms,
 )
 
 pytestmark = pytest.mark.gpu
@@ -118,12 +119,17 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).fwd(m, q, kv, idx, sink, scale, *v),
                       [("out", out, True), ("lse", lse, True)])
 
-        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
+        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows,
+                           do2=None):
+            # do2 (the deterministic backward's |dO|^2, fp64): written whole too, never NaN
+            outs = [("delta", delta, True), ("lse2", lse2, True),
+                    ("d_sink_rows", d_sink_rows, True)]
+            outs += [("do2", do2, True)] if do2 is not None else []
             self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(natural, out, do, lse,
                                                                            sink, *v),
-                      [("delta", delta, True), ("lse2", lse2, True),
-                       ("d_sink_rows", d_sink_rows, True)],
-                      whole=not bool(torch.isnan(lse).any()))  # a NaN lse gives NaN (= poison)
+                      outs, whole=not bool(torch.isnan(lse).any()))  # NaN lse: NaN (= poison)
+            if do2 is not None:
+                assert _unwritten(do2) == 0, "do2: not written whole"
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
                      counts, dq, acc, bound, bound_exp):
@@ -149,9 +155,9 @@ if cuda_available():
                                                                        *v),
                       [("dkv", dkv, True)], whole=True)
 
-        def exact_grid_rows(self, q, do, idx, kv_norm, c_row, kv_coef):
+        def exact_grid_rows(self, d_v, q, do2, idx, kv_norm, c_row, kv_coef):
             self._run(lambda v: super(GuardedKernels, self).exact_grid_rows(
-                q, do, idx, kv_norm, *v, kv_coef), [("c_row", c_row, True)], whole=True)
+                d_v, q, do2, idx, kv_norm, *v, kv_coef), [("c_row", c_row, True)], whole=True)
 
         def exact_grid_scatter(self, c_row, top, idx, est):
             self._run(lambda v: super(GuardedKernels, self).exact_grid_scatter(
@@ -483,8 +489,10 @@ GRID_CASES = [
 @pytest.mark.parametrize("case", GRID_CASES, ids=[c["id"] for c in GRID_CASES])
 def test_exact_grid_kernels_match_the_stand_in(case):
     """Each bookkeeping kernel against its numpy stand-in (``helpers.CpuStandIn``, itself held to
-    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs: the row
-    weights to fp64 rounding (the sums' order differs) and bitwise repeatable; from the same
+    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs: the
+    preprocess's |dO|^2 (``DO2``, fp64, 3 pad heads) to fp64 rounding, 0 at pad heads and
+    bitwise repeatable; the row weights from it to fp64 rounding (the sums' order differs) and
+    bitwise repeatable; from the same
     row weights the int64 estimates and the grids (margins 2, -40, +12) exactly; the re-run
     plan (every branch: ``helpers.exact_first_pass_state``) exactly (over, the scaled grids,
     the cleared accumulator rows); the slot compaction exactly (the same slots per row, in the
@@ -505,13 +513,23 @@ def test_exact_grid_kernels_match_the_stand_in(case):
     idx = torch.from_numpy(idx_np).cuda()
     prov, ref = GuardedKernels(), CpuStandIn()
 
+    # |dO|^2 from the preprocess kernel (as the deterministic backward makes it), against
+    # numpy: the fp64 sum of the exact fp64 squares, in another order
+    do2, do2_again, do2_ref = (square_norms(p, do, H + 3) for p in (prov, prov, ref))
+    assert do2.dtype == torch.float64 and do2.shape == (B, S, H + 3)
+    assert torch.equal(do2, do2_again), "|dO|^2 not bitwise repeatable"
+    torch.testing.assert_close(do2, do2_ref, rtol=1e-12, atol=0)
+    assert not bool(do2[..., H:].any()) and not bool(do2[0, 1].any())
+    do_f = do.double()
+    torch.testing.assert_close(do2[..., :H], (do_f * do_f).sum(-1), rtol=1e-12, atol=0)
+
     kv_norm = torch.linalg.vector_norm(kv.reshape(1, -1), dim=-1, dtype=torch.float32)
     coef = SM_SCALE**2 / (kv.numel() * DK)
     c_row, c_again, c_ref = (torch.empty((B, S), dtype=torch.float64, device="cuda")
                              for _ in range(3))
-    prov.exact_grid_rows(q, do, idx, kv_norm, c_row, coef)
-    prov.exact_grid_rows(q, do, idx, kv_norm, c_again, coef)
-    ref.exact_grid_rows(q, do, idx, kv_norm, c_ref, coef)
+    prov.exact_grid_rows(DV, q, do2, idx, kv_norm, c_row, coef)
+    prov.exact_grid_rows(DV, q, do2, idx, kv_norm, c_again, coef)
+    ref.exact_grid_rows(DV, q, do2_ref, idx, kv_norm, c_ref, coef)
     assert torch.equal(c_row, c_again), "row weights not bitwise repeatable"
     torch.testing.assert_close(c_row, c_ref, rtol=1e-12, atol=0)
     assert c_row[0, 1] == 0 and bool((c_row[0, 2:] > 0).all())
@@ -554,13 +572,16 @@ def test_exact_grid_kernels_match_the_stand_in(case):
         assert torch.equal(idx2, idx2_ref), f"{name}: the re-run slots' order differs"
 
 
+@pytest.mark.parametrize("with_do2", [False, True], ids=["plain", "do2"])
 @pytest.mark.parametrize("natural", [True, False], ids=["natural", "log2_sink"])
-def test_preprocess_kernel_matches_the_stand_in(natural):
+def test_preprocess_kernel_matches_the_stand_in(natural, with_do2):
     """The backward's preprocess (Delta, the finite base-2 lse, each row's d_sink term; 0 at
     pad heads) against its fp64 stand-in (itself held to the former framework ops by
     ``tests/test_interface.py``), with a NaN, +inf and -inf lse, a -inf sink and 3 pad heads
     (H=13 padded to 16): Delta to fp32 rounding, lse2 to a few ulps, every element written
-    (poisoned first, guard regions intact), NaN where the stand-in has NaN."""
+    (poisoned first, guard regions intact), NaN where the stand-in has NaN.  ``with_do2`` (the
+    deterministic backward's kernel): also |dO|^2 (fp64) to fp64 rounding, 0 at pad heads,
+    bitwise repeatable, whatever the lse."""
     rng = np.random.default_rng(5 + natural)
     R, H, h_pad = 70, 13, 16
     out = torch.from_numpy(rng.standard_normal((R, H, DV), dtype=np.float32)).cuda()
@@ -572,9 +593,20 @@ def test_preprocess_kernel_matches_the_stand_in(natural):
     sink[2] = -float("inf")  # lse[5, 2] = -inf there too: no key, no sink
     got = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
     want = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
+    if with_do2:
+        got += [torch.empty((R, h_pad), dtype=torch.float64, device="cuda") for _ in range(2)]
+        want.append(torch.empty((R, h_pad), dtype=torch.float64, device="cuda"))
     args = (out.reshape(R * H, DV), do.reshape(R * H, DV), lse.reshape(R * H), sink)
-    GuardedKernels().bwd_preprocess(natural, *args, *got)
+    GuardedKernels().bwd_preprocess(natural, *args, *got[:4])
     CpuStandIn().bwd_preprocess(natural, *args, *want)
+    if with_do2:
+        GuardedKernels().bwd_preprocess(natural, *args, *(torch.empty_like(g) for g in got[:3]),
+                                        got[4])
+        assert torch.equal(got[3], got[4]), "|dO|^2 not bitwise repeatable"
+        assert got[3].dtype == torch.float64 and not bool(got[3][:, H:].any())
+        torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=0)
+        do_f = do.double()
+        torch.testing.assert_close(got[3][:, :H], (do_f * do_f).sum(-1), rtol=1e-12, atol=0)
     # (rtol, atol): fp32 sums of 512 products (|terms| sum to ~400); lse2 ~ 1 ulp of |lse2|
     # <= 60; exp2 of a rounded exponent near 40 times Delta
     tols = {"delta": (1e-5, 1e-3), "lse2": (1e-6, 1e-5), "d_sink_rows": (1e-4, 1e-3)}
@@ -680,8 +712,8 @@ def test_new_shapes_do_not_recompile():
     assert sorted({k[0] for k in prov._kernels}) == [
         "bwd_finish", "bwd_main", "bwd_pre", "fwd", "grid_keys", "grid_rows", "grid_scatter",
         "rerun_plan", "rerun_slots", "value_stats"]
-    # the value checks (forward: sink; backward: sink and lse), fwd, pre, main exact with dq
-    # and its re-run, finish, the exact dKV's five bookkeeping kernels
+    # the value checks (forward: sink; backward: sink and lse), fwd, pre (with |dO|^2), main
+    # exact with dq and its re-run, finish, the exact dKV's five bookkeeping kernels
     assert len(prov._kernels) == 12
 
 

@@ -60,12 +60,17 @@ class TileLangKernels:
     kernel: ``fwd``, ``bwd_preprocess``, ``bwd_main``, ``bwd_finish`` and, around the
     deterministic backward's exact dKV passes, ``exact_grid_rows``, ``exact_grid_scatter``,
     ``exact_grid_keys``, ``exact_rerun_plan`` and ``exact_rerun_slots``
-    (``kernels/exact_grid.py``).  Each fills its output arguments in place; tensors come first,
-    in the kernel's order, then its scalar arguments.  The column order of the fp32 dKV
-    accumulator between ``bwd_main`` and ``bwd_finish`` is the provider's own (these kernels
-    permute the 64-head tiles', ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the
-    real order.  Compiled kernels are cached by TileLang per static specialisation (head tile,
-    Dk, Dv, dKV mode, dQ on/off); shapes are dynamic.
+    (``kernels/exact_grid.py``).  Each fills its output arguments in place; the static
+    arguments come first (head tile, mode, ``natural``, ``Dv``), then the tensors in the
+    kernel's order, then its scalar arguments.  ``bwd_preprocess`` takes an optional last
+    output ``do2`` (``[B S, H_pad] fp64``, each (row, head)'s ``|dO|^2``; 0 at pad heads): the
+    deterministic backward passes it and hands it to ``exact_grid_rows(d_v, q, do2, ...)``,
+    which reads it in place of ``dO``; the atomic backward passes none (its kernel is the one
+    without that output).  The column order of the fp32 dKV accumulator between ``bwd_main``
+    and ``bwd_finish`` is the provider's own (these kernels permute the 64-head tiles',
+    ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the real order.  Compiled
+    kernels are cached by TileLang per static specialisation (head tile, Dk, Dv, dKV mode, dQ
+    on/off, the preprocess's lse format and ``do2``); shapes are dynamic.
     """
 
     device = "cuda"
@@ -115,9 +120,15 @@ class TileLangKernels:
             int(s_kv))
         return part, safe
 
-    def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
-        self._kernel(("bwd_pre", int(out.shape[-1]), bool(natural)))(
-            out, grad_out, lse, sink, delta, lse2, d_sink_rows)
+    def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows,
+                       do2=None):
+        from .kernels import pre_args
+
+        key = ("bwd_pre",) + pre_args(natural, do2 is not None, int(out.shape[-1]))
+        if do2 is None:
+            self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows)
+        else:
+            self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows, do2)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
@@ -135,9 +146,9 @@ class TileLangKernels:
         self._kernel(key)(dkv_acc, inv_grid, dkv)
 
     # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
-    def exact_grid_rows(self, q, grad_out, indices, kv_norm, c_row, kv_coef):
-        key = ("grid_rows", int(q.shape[-1]), int(grad_out.shape[-1]))
-        self._kernel(key)(q, grad_out, indices, kv_norm, c_row, float(kv_coef))
+    def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
+        key = ("grid_rows", int(q.shape[-1]), int(d_v))
+        self._kernel(key)(q, do2, indices, kv_norm, c_row, float(kv_coef))
 
     def exact_grid_scatter(self, c_row, top, indices, est):
         self._kernel(("grid_scatter",))(c_row, top, indices, est)
@@ -214,18 +225,20 @@ def _pending_checks(values, token_indices):
     return pending.indices, None, pending.finish
 
 
-def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish=None):
+def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=None):
     """``inv_grid [B, S_kv] fp32``: ``1 / g_j = 2**-e_j`` of the first pass's per-key grids, for
-    ``query [B, S, H, Dk]`` and ``grad_out [B, S, H, Dv]`` (the real heads, contiguous) and
-    ``idx [B, S, L]`` int32 (``-1``: no key).
+    ``query [B, S, H, Dk]`` (the real heads, contiguous), ``do2 [B, S, H_pad] fp64`` (each
+    (row, head)'s ``|dO_sh|^2``, from the preprocess: ``_bwd``), ``Dv`` and ``idx [B, S, L]``
+    int32 (``-1``: no key).
 
     A deterministic guess of each key's sum of contributions if attention were uniform: a row
     ``s`` with ``L_s`` valid slots gives each key about ``c_s = 4 / L_s * sqrt(sum_h |dO_sh|^2
     ((sm_scale kv_rms |q_sh|)^2 / Dk + 1 / Dv))`` per column (the per-head terms of
     ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns), in fp64 from
-    the bf16 inputs (kernel ``grid_rows``).  The sum over a key's rows ``E_j`` is taken in int64
-    fixed point, in units of ``2^-F`` with ``F = 40 - ceil(log2 max_s c_s)`` (exact, so
-    order-free; ``grid_scatter``), and ``e_j = ceil(log2 E_j) - F + GRID_MARGIN_BITS -
+    the bf16 inputs (kernel ``grid_rows``; ``|dO_sh|^2`` summed by the preprocess, which reads
+    dO anyway, so that ``grid_rows`` reads only q).  The sum over a key's rows ``E_j`` is taken
+    in int64 fixed point, in units of ``2^-F`` with ``F = 40 - ceil(log2 max_s c_s)`` (exact,
+    so order-free; ``grid_scatter``), and ``e_j = ceil(log2 E_j) - F + GRID_MARGIN_BITS -
     EXACT_BITS``, clipped to ``_GRID_EXP_RANGE`` (``grid_keys``).  Framework ops: the Frobenius
     norm of kv (``kv_rms`` is it over ``sqrt(numel)``), the largest ``c_s`` and a zeroed ``E``;
     no host sync.  Only
@@ -240,7 +253,7 @@ def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish=Non
     # (sm_scale kv_rms)^2 / Dk = ||kv||_F^2 kv_coef (the kernel squares the norm in fp64)
     kv_coef = sm_scale * sm_scale / (max(1, b * s_kv * d_k) * d_k)
     c_row = ops.empty((b, s), "float64", idx)
-    provider.exact_grid_rows(query, grad_out, idx, kv_norm, c_row, kv_coef)
+    provider.exact_grid_rows(d_v, query, do2, idx, kv_norm, c_row, kv_coef)
     if finish is not None:
         # the deferred value checks: grid_rows only counts a row's slots >= 0; grid_scatter is
         # the first kernel that dereferences an index
@@ -254,13 +267,14 @@ def _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish=Non
     return inv_grid
 
 
-def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, grad_out,
+def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, do2,
                sm_scale, finish=None):
     """Deterministic dKV and dq, exact on per-key grids: returns ``(acc, inv_grid)``, the
     accumulator (fp32 ``[B, S_kv, Dk]``, in grid units, the provider's column order) and the
     inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).
 
-    Pass 1 (``main``, exact mode, with dq) on the grids of :func:`_grid_estimate`: every
+    Pass 1 (``main``, exact mode, with dq) on the grids of :func:`_grid_estimate` (from
+    ``query``, the real heads, and ``do2``, the preprocess's ``|dO|^2``): every
     contribution ``c`` to key ``j`` becomes the integer ``k = round(c / g_j)`` and is added in
     fp32; the kernel also sums exactly, in int64,
     ``Bound_j = sum over contributions of ceil(u)``, ``u = max_d |c_d / g_j|`` taken before the
@@ -284,7 +298,8 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
             f"query: S={s} x {plan.num_groups} head group(s) rows may add to one key, more than "
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
     # the real heads; finish: the deferred value checks (see _grid_estimate)
-    inv_grid = _grid_estimate(ops, provider, query, grad_out, kv, idx, sm_scale, finish)
+    inv_grid = _grid_estimate(ops, provider, query, do2, ops.shape(do)[-1], kv, idx, sm_scale,
+                              finish)
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
@@ -407,9 +422,9 @@ def mqa_latent_sparse_bwd(
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and
             processes: each key's dKV is summed exactly on a power-of-two grid of its own
             (:func:`_exact_dkv`; the precision is stated in ``docs/conventions.md``), with the
-            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16)`` bytes of scratch
-            (``L`` padded).  ``False``: plain fp32 atomics for dKV (last-bit differences between
-            calls).
+            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16 + 8*H_pad)`` bytes
+            of scratch (``L`` padded; ``8*H_pad``: the rows' fp64 ``|dO|^2``).  ``False``:
+            plain fp32 atomics for dKV (last-bit differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
 
@@ -451,19 +466,22 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     # padded heads (0 at pad heads): Delta; the base-2, sink-inclusive lse, finite (a row with
     # no key and no sink has every P = 0: any finite lse2 gives exp2(-inf - lse2) = 0, so 0; a
     # NaN lse, possible with check_indices=False, stays NaN, never a plausible 0); each row's
-    # term of d_sink, -P_sink Delta (docs/conventions.md).
+    # term of d_sink, -P_sink Delta (docs/conventions.md); deterministic: also each (row,
+    # head)'s |dO|^2 in fp64 for the grid estimate (grid_rows then does not read dO again).
     out_c = ops.contiguous(out)
     do_c = ops.contiguous(grad_out)
     lse_f = ops.contiguous(lse)
     delta_p = ops.empty((B, S, h_pad), "float32", do_c)
     lse2_p = ops.empty((B, S, h_pad), "float32", do_c)
     d_sink_rows = ops.empty((B * S, h_pad), "float32", do_c)
+    do2 = ops.empty((B, S, h_pad), "float64", do_c) if deterministic else None
     provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S * H, dims.Dv)),
                             ops.reshape(do_c, (B * S * H, dims.Dv)),
                             ops.reshape(lse_f, (B * S * H,)),
                             _sink_vector(ops, attn_sink, H, H, lse_f),
                             ops.reshape(delta_p, (B * S, h_pad)),
-                            ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows)
+                            ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
+                            *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
     indices, before, after = _pending_checks(values, token_indices)
 
     q = _pad_heads(ops, ops.contiguous(query), h_pad)
@@ -475,7 +493,7 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
     if deterministic:
         acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                   scale, dq, ops.contiguous(query), do_c, sm_scale, before)
+                                   scale, dq, ops.contiguous(query), do2, sm_scale, before)
     else:
         acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
         inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid

@@ -4,7 +4,8 @@
 * ``value_stats.value_stats``: the wrappers' value checks (index range, NaN/+inf sinks, NaN
   lse) in one launch;
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta, the base-2 lse and the rows'
-  ``d_sink`` terms) -> ``sparse_bwd.main``
+  ``d_sink`` terms; for the deterministic backward also each row's ``|dO|^2`` in fp64, which
+  ``grid_rows`` takes) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
   -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
@@ -46,6 +47,13 @@ def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_
     return (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
 
 
+def pre_args(natural: bool, with_do2: bool, d_v: int = D_V):
+    """Static arguments of ``sparse_bwd.preprocess``: ``with_do2`` (the deterministic backward:
+    also ``|dO|^2`` per row for ``exact_grid.grid_rows``) only when set, so that the atomic
+    backward's kernel is built from the same arguments as before it existed."""
+    return (d_v, bool(natural), True) if with_do2 else (d_v, bool(natural))
+
+
 def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
     """Static arguments of ``sparse_bwd.finish`` for the accumulator of one head tile."""
     from ..tiling import dkv_columns_permuted
@@ -58,8 +66,11 @@ def specs(heads=HEAD_TILES) -> list:
     (the exact dKV's bookkeeping kernels do not depend on the head tile: always listed)."""
     out = [("value_stats", (True, False)), ("value_stats", (False, False)),
            ("value_stats", (True, True)), ("value_stats", (False, True)),
-           ("bwd_pre", (D_V, True)), ("bwd_pre", (D_V, False)), ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()),
-           ("grid_keys", ()), ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
+           # the preprocess per lse format, without (atomic) and with |dO|^2 (deterministic)
+           *[("bwd_pre", pre_args(natural, with_do2))
+             for with_do2 in (False, True) for natural in (True, False)],
+           ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()), ("grid_keys", ()),
+           ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
     for m in heads:
         out.append(("fwd", (m, D_QK, D_V)))
         for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):

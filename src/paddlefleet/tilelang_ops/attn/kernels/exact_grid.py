@@ -7,9 +7,12 @@ launch order:
 
 ``grid_rows``     one CTA per query row ``(b, s)``: ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2
                   (kscale |q_sh|^2 + 1 / Dv)) / max(1, n_valid)`` in fp64, ``kscale = KvNorm^2
-                  kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots with a key.
-                  The squares of the bf16 inputs and every sum are fp64 (no overflow or underflow
-                  at any bf16 magnitude), added in a fixed order: repeatable bit for bit.
+                  kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots with a key;
+                  ``|dO_sh|^2`` (fp64 ``DO2 [B, S, H_pad]``) from the backward's preprocess,
+                  which streams dO anyway (``sparse_bwd.preprocess(with_do2=True)``), ``|q_sh|^2``
+                  from ``Q``.  The squares of the bf16 inputs and every sum are fp64 (no overflow
+                  or underflow at any bf16 magnitude), added in a fixed order: repeatable bit
+                  for bit.
 ``grid_scatter``  one CTA per query row: the row's weight in int64 fixed point,
                   ``ceil(ldexp(CRow, frac_bits))`` with ``frac_bits = 40 - ceil(log2 top)``
                   (``top`` the largest ``CRow``, a framework ``amax``), added with int64 atomics
@@ -27,8 +30,8 @@ proof in ``docs/conventions.md``); ``tests/helpers.py::CpuStandIn`` has each one
 ``tests/test_exact_grid.py`` holds them against the former framework version.  Runtime values
 the tests vary (``GRID_MARGIN_BITS``, ``EXACT_BITS``, ``RERUN_COARSE_BITS``, the clip range,
 ``S * G``) are scalar kernel arguments, not compile-time constants.  Static: ``Dk``, ``Dv``,
-threads.  Dynamic: ``B``, ``S``, ``H``, ``L``, ``S_kv``.  No kernel reads past a tensor's end
-or dereferences a ``-1`` slot (or any index outside ``[0, S_kv)``).
+threads.  Dynamic: ``B``, ``S``, ``H``, ``H_pad``, ``L``, ``S_kv``.  No kernel reads past a
+tensor's end or dereferences a ``-1`` slot (or any index outside ``[0, S_kv)``).
 """
 
 from ... import settings
@@ -63,21 +66,28 @@ def _warp_sum(x):
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def grid_rows(d_qk: int, d_v: int, threads: int = 256):
-    """``CRow [B, S] fp64`` from ``Q [B, S, H, Dk]``, ``dO [B, S, H, Dv]`` (bf16, the real heads),
-    ``Indices [B, S, L] int32``, ``KvNorm [1] fp32`` (the Frobenius norm of kv) and the scalar
-    ``kv_coef = sm_scale^2 / (numel(kv) Dk)``.
+    """``CRow [B, S] fp64`` from ``Q [B, S, H, Dk]`` (bf16, the real heads), ``DO2 [B, S, H_pad]
+    fp64`` (``|dO_sh|^2``, written by the backward's preprocess, ``sparse_bwd.preprocess`` with
+    ``with_do2``: the fp64 sum of the bf16 ``dO`` row's squares, each exact, in a fixed order;
+    only ``h < H`` is read, ``H_pad >= H``), ``Indices [B, S, L] int32``, ``KvNorm [1] fp32``
+    (the Frobenius norm of kv) and the scalar ``kv_coef = sm_scale^2 / (numel(kv) Dk)``; ``Dv``
+    (static) gives the ``1 / Dv`` term.  ``|dO|^2`` comes from the preprocess because it
+    streams dO anyway: this kernel then reads ``Q`` only (dO is 268 MB at the reference shape,
+    ``DO2`` 2 MB).
 
-    One CTA per row; warp ``w`` takes heads ``w, w + NW, ...``; each lane reads 16 bytes at a time
-    (a row of one head is ``Dk / 8`` such vectors, coalesced over the warp), squares in fp64 and
-    sums; a butterfly gives the head's ``|q|^2`` and ``|dO|^2`` to every lane.  The warps' sums
-    over their heads and their valid-slot counts meet in shared memory and thread 0 adds them
-    in warp order.  Every order is fixed: the result is repeatable bit for bit."""
-    assert d_qk % VEC == 0 and d_v % VEC == 0 and threads % WARP == 0
+    One CTA per row; warp ``w`` takes heads ``w, w + NW, ...``; each lane reads 16 bytes of
+    ``Q`` at a time (a row of one head is ``Dk / 8`` such vectors, coalesced over the warp),
+    squares in fp64 and sums; a butterfly gives the head's ``|q|^2`` to every lane, which adds
+    ``DO2[b, s, h] (kscale |q|^2 + 1 / Dv)`` to the warp's sum.  The warps' sums over their
+    heads and their valid-slot counts meet in shared memory and thread 0 adds them in warp
+    order.  Every order is fixed: the result is repeatable bit for bit."""
+    assert d_qk % VEC == 0 and threads % WARP == 0
     NW = threads // WARP
-    QV, OV = d_qk // VEC, d_v // VEC  # 16-byte vectors per head row
+    QV = d_qk // VEC  # 16-byte vectors per head row
     B = T.dynamic("B")
     S = T.dynamic("S")
     H = T.dynamic("H")
+    H_pad = T.dynamic("H_pad")
     L = T.dynamic("L")
 
     @T.macro
@@ -95,7 +105,7 @@ def grid_rows(d_qk: int, d_v: int, threads: int = 256):
     @T.prim_func
     def exact_grid_rows(
         Q: T.Tensor([B, S, H, d_qk], "bfloat16"),
-        dO: T.Tensor([B, S, H, d_v], "bfloat16"),
+        DO2: T.Tensor([B, S, H_pad], "float64"),
         Indices: T.Tensor([B, S, L], "int32"),
         KvNorm: T.Tensor([1], "float32"),
         CRow: T.Tensor([B, S], "float64"),
@@ -105,9 +115,7 @@ def grid_rows(d_qk: int, d_v: int, threads: int = 256):
             w_part = T.alloc_shared([NW], "float64")
             n_part = T.alloc_shared([NW], "int32")
             qv = T.alloc_local([VEC], "bfloat16")
-            ov = T.alloc_local([VEC], "bfloat16")
             q2 = T.alloc_local([1], "float64")
-            o2 = T.alloc_local([1], "float64")
             w = T.alloc_local([1], "float64")
             n = T.alloc_local([1], "int32")
             kscale = T.alloc_local([1], "float64")
@@ -120,8 +128,7 @@ def grid_rows(d_qk: int, d_v: int, threads: int = 256):
             for hh in T.serial(T.ceildiv(H, NW)):
                 if hh * NW + warp < H:  # the same for the whole warp: its shuffles stay whole
                     sum_squares(Q, QV, b_i, s_i, hh * NW + warp, lane, qv, q2)
-                    sum_squares(dO, OV, b_i, s_i, hh * NW + warp, lane, ov, o2)
-                    w[0] = w[0] + o2[0] * (kscale[0] * q2[0] + 1.0 / d_v)
+                    w[0] = w[0] + DO2[b_i, s_i, hh * NW + warp] * (kscale[0] * q2[0] + 1.0 / d_v)
             n[0] = 0
             for i in T.serial(T.ceildiv(L, threads)):
                 if i * threads + tx < L:

@@ -97,8 +97,8 @@ def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, 
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128,
-               threads: int = 128):
+def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int = 32,
+               block_d: int = 128, threads: int = 128):
     """Everything the backward needs per (query row, head) before its main kernel, in one pass
     over ``out`` and ``dO`` (it replaced ~12 framework ops of the lse bridge, the head padding and
     ``d_sink``, run 41):
@@ -110,8 +110,20 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
       stays NaN (``docs/conventions.md``, the bridge),
     * ``DSink [R, H_pad] = -2^(sink log2 e - Lse2) Delta``, the row's term of ``d_sink``
       (``-P_sink Delta``; 0 for a ``-inf`` sink),
+    * with ``with_do2`` (the deterministic backward) also ``DO2 [R, H_pad] fp64``, ``|dO|^2``:
+      the sum of the squares of the row's ``Dv`` values, for ``exact_grid.grid_rows`` (which
+      then does not read dO again): each bf16 value widened to fp64 and squared there (exact),
+      the squares added in fp64 in a fixed order (each thread adds its 8 values of each column
+      block, block after block, then a butterfly over the row's 16 threads): bit for bit
+      repeatable, no overflow or underflow at any bf16 magnitude.  Explicit per-thread code
+      (an fp64 fragment next to ``acc`` made TileLang choose 2-element vectors and a
+      shared-memory reduction); its 16-byte loads of dO repeat those ``acc`` just made (the
+      same thread, the same addresses: cache hits, not a second pass over DRAM; nvcc does not
+      merge the two).  ``Delta``, ``Lse2`` and ``DSink`` are computed as without it; without
+      it the kernel has no ``DO2`` argument and lowers to the CUDA of before (the atomic
+      backward pays nothing),
 
-    and 0 in all three for the pad heads ``H <= h < H_pad`` (written by the thread of each
+    and 0 in all of them for the pad heads ``H <= h < H_pad`` (written by the thread of each
     row's last real head).  Inputs ``O``, ``dO [N, Dv]`` bf16 (``N = R H`` rows, head fastest),
     ``Lse [N]`` fp32 and ``Sink [H]`` fp32 (``-inf`` = no sink); ``N``, ``R``, ``H``, ``H_pad``
     dynamic; rows past ``N`` are neither read nor written.  The row sums walk the flattened
@@ -125,6 +137,102 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
     BR = block_rows
     ninf = -T.infinity("float32")
 
+    # with_do2: thread tx squares the 16-byte vector tx % TPR of rows i RPP + tx / TPR of each
+    # column block: the elements TileLang gives it in acc (the layout both builds lower to)
+    VEC = 8
+    TPR = block_d // VEC  # threads per row
+    RPP = threads // TPR  # rows per pass
+    assert not with_do2 or (block_d % VEC == 0 and threads % TPR == 0 and BR % RPP == 0
+                            and TPR <= 32 and 32 % TPR == 0)
+
+    @T.macro
+    def body(r_blk, O, dO, Lse, Sink, Delta, Lse2, DSink, DO2, sq, ov):
+        # DO2, sq [BR / RPP] fp64, ov [VEC] bf16: None unless with_do2 (allocated by the
+        # caller: a Python if does not bind what is allocated inside it)
+        acc = T.alloc_fragment([BR, block_d], "float32")
+        part = T.alloc_fragment([BR], "float32")
+        total = T.alloc_fragment([BR], "float32")
+        T.fill(total, 0)
+        if with_do2:
+            tx = T.get_thread_binding()
+            for i in T.unroll(BR // RPP):
+                sq[i] = 0
+        for c in T.serial(d_v // block_d):
+            for r, d in T.Parallel(BR, block_d):
+                n = r_blk * BR + r
+                acc[r, d] = T.if_then_else(
+                    n < N,
+                    T.Cast("float32", O[n, c * block_d + d])
+                    * T.Cast("float32", dO[n, c * block_d + d]),
+                    0,
+                )
+            if with_do2:
+                for i in T.unroll(BR // RPP):
+                    n = r_blk * BR + i * RPP + tx // TPR
+                    if n < N:
+                        for e in T.vectorized(VEC):
+                            ov[e] = dO[n, c * block_d + (tx % TPR) * VEC + e]
+                        for e in T.unroll(VEC):
+                            sq[i] = sq[i] + T.Cast("float64", ov[e]) * T.Cast("float64", ov[e])
+            T.reduce_sum(acc, part, dim=1)
+            for r in T.Parallel(BR):
+                total[r] = total[r] + part[r]
+        for r in T.Parallel(BR):
+            n = r_blk * BR + r
+            if n < N:
+                row = n // H
+                h = n % H
+                lse = Lse[n]
+                sink2 = Sink[h] * LOG2E
+                lse2 = lse
+                if natural:
+                    a = lse * LOG2E
+                    hi = T.max(a, sink2)
+                    # an infinite larger term is the result (also -inf for both, not
+                    # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
+                    # (T.isnan: the simplifier folds x != x to false)
+                    lse2 = T.if_then_else(
+                        T.isnan(lse), lse,
+                        T.if_then_else(hi == ninf or hi == -ninf, hi,
+                                       hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
+                lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
+                Delta[row, h] = total[r]
+                Lse2[row, h] = lse2
+                DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
+                if h == H - 1:
+                    for p in T.serial(H_pad - H):
+                        Delta[row, H + p] = 0.0
+                        Lse2[row, H + p] = 0.0
+                        DSink[row, H + p] = 0.0
+        if with_do2:
+            for i in T.unroll(BR // RPP):
+                # the row's TPR lanes: a butterfly (every lane ends with the same sum; each step
+                # adds a + b and b + a, equal); the lanes of a row past N add zeros
+                for k in T.unroll(TPR.bit_length() - 1):
+                    sq[i] = sq[i] + T.shfl_xor(sq[i], TPR >> (k + 1))
+                n = r_blk * BR + i * RPP + tx // TPR
+                if tx % TPR == 0 and n < N:
+                    DO2[n // H, n % H] = sq[i]
+                    if n % H == H - 1:
+                        for p in T.serial(H_pad - H):
+                            DO2[n // H, H + p] = T.float64(0)
+
+    if not with_do2:
+        @T.prim_func
+        def sparse_bwd_preprocess(
+            O: T.Tensor([N, d_v], "bfloat16"),
+            dO: T.Tensor([N, d_v], "bfloat16"),
+            Lse: T.Tensor([N], "float32"),
+            Sink: T.Tensor([H], "float32"),
+            Delta: T.Tensor([R, H_pad], "float32"),
+            Lse2: T.Tensor([R, H_pad], "float32"),
+            DSink: T.Tensor([R, H_pad], "float32"),
+        ):
+            with T.Kernel(T.ceildiv(N, BR), threads=threads) as r_blk:
+                body(r_blk, O, dO, Lse, Sink, Delta, Lse2, DSink, None, None, None)
+
+        return sparse_bwd_preprocess
+
     @T.prim_func
     def sparse_bwd_preprocess(
         O: T.Tensor([N, d_v], "bfloat16"),
@@ -134,51 +242,12 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
         Delta: T.Tensor([R, H_pad], "float32"),
         Lse2: T.Tensor([R, H_pad], "float32"),
         DSink: T.Tensor([R, H_pad], "float32"),
+        DO2: T.Tensor([R, H_pad], "float64"),
     ):
         with T.Kernel(T.ceildiv(N, BR), threads=threads) as r_blk:
-            acc = T.alloc_fragment([BR, block_d], "float32")
-            part = T.alloc_fragment([BR], "float32")
-            total = T.alloc_fragment([BR], "float32")
-            T.fill(total, 0)
-            for c in T.serial(d_v // block_d):
-                for r, d in T.Parallel(BR, block_d):
-                    n = r_blk * BR + r
-                    acc[r, d] = T.if_then_else(
-                        n < N,
-                        T.Cast("float32", O[n, c * block_d + d])
-                        * T.Cast("float32", dO[n, c * block_d + d]),
-                        0,
-                    )
-                T.reduce_sum(acc, part, dim=1)
-                for r in T.Parallel(BR):
-                    total[r] = total[r] + part[r]
-            for r in T.Parallel(BR):
-                n = r_blk * BR + r
-                if n < N:
-                    row = n // H
-                    h = n % H
-                    lse = Lse[n]
-                    sink2 = Sink[h] * LOG2E
-                    lse2 = lse
-                    if natural:
-                        a = lse * LOG2E
-                        hi = T.max(a, sink2)
-                        # an infinite larger term is the result (also -inf for both, not
-                        # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
-                        # (T.isnan: the simplifier folds x != x to false)
-                        lse2 = T.if_then_else(
-                            T.isnan(lse), lse,
-                            T.if_then_else(hi == ninf or hi == -ninf, hi,
-                                           hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
-                    lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
-                    Delta[row, h] = total[r]
-                    Lse2[row, h] = lse2
-                    DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
-                    if h == H - 1:
-                        for p in T.serial(H_pad - H):
-                            Delta[row, H + p] = 0.0
-                            Lse2[row, H + p] = 0.0
-                            DSink[row, H + p] = 0.0
+            sq = T.alloc_local([BR // RPP], "float64")
+            ov = T.alloc_local([VEC], "bfloat16")
+            body(r_blk, O, dO, Lse, Sink, Delta, Lse2, DSink, DO2, sq, ov)
 
     return sparse_bwd_preprocess
 
