@@ -78,8 +78,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None,
-               skip_unit_rescale: bool = False):
+               num_stages: int = 1, warp_specialized: bool | None = None):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -87,9 +86,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
         d_qk: ``Dk`` (576).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail.
         block_k: key block ``BK``; ``L`` must be a multiple of it.
         warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
-            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one,
-            ``skip_unit_rescale`` (a trial: each consumer thread skips its output rows'
-            rescale when their running max did not move) to that one.
+            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -101,7 +98,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, skip_unit_rescale)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -189,8 +186,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      skip_unit_rescale: bool = False):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
@@ -240,25 +236,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     H_pad = T.dynamic("H_pad")
 
     @T.macro
-    def rescale_rows(acc_o, factor, rescale):
-        # acc_o [M, DH] *= factor [M] per row; with skip_unit_rescale a thread whose rows all
-        # kept their running max (factor exactly 1) skips it: the same values bit for bit
-        if skip_unit_rescale:
-            rescale[0] = 0
-            for h in T.Parallel(M):
-                rescale[0] = rescale[0] | T.if_then_else(factor[h] != 1.0, 1, 0)
-            if rescale[0] != 0:
-                for h, d in T.Parallel(M, DH):
-                    acc_o[h, d] = acc_o[h, d] * factor[h]
-        else:
-            for h, d in T.Parallel(M, DH):
-                acc_o[h, d] = acc_o[h, d] * factor[h]
-
-    @T.macro
     def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, K_l_prev, ready_l, ready_rt,
                         free_rt, free_l_prev, p_ready, p_free, Indices, b_i, s_i, k, parity,
                         acc_s, acc_o_l, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                        alpha_shared, P_shared, scale2, rescale):
+                        alpha_shared, P_shared, scale2):
         # warpgroup 0, block k: its scores and (k > 0) block k - 1's left P V in flight
         # together, block k's softmax under the latter
         T.barrier_wait(ready_rt[0], parity)
@@ -292,13 +273,15 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         T.fence_proxy_async()  # P is read by wgmma (both warpgroups)
         T.barrier_arrive(p_ready[0])
         # after block k - 1's P V, before block k's (issued with block k + 1's scores)
-        rescale_rows(acc_o_l, alpha, rescale)
+        for h, d in T.Parallel(M, DH):
+            acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
 
     @T.macro
-    def right(K_r, free_rt, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared, rescale):
+    def right(K_r, free_rt, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared):
         T.barrier_wait(p_ready[0], k & 1)
         T.fence_proxy_async()  # the keys, as in scores_and_left (P is fenced by its writer)
-        rescale_rows(acc_o_r, alpha_shared, rescale)
+        for h, d in T.Parallel(M, DH):
+            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
         T.gemm(P_shared, K_r, acc_o_r)
         T.barrier_arrive(p_free[0])
         T.barrier_arrive(free_rt[0])
@@ -367,7 +350,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             m_shift = T.alloc_fragment([M], acc_t)
             lse_frag = T.alloc_fragment([M], acc_t)
             scale2 = T.alloc_local([1], acc_t)
-            rescale = T.alloc_local([1], "int32")
 
             tx = T.get_thread_binding()
             h0 = g_i * M
@@ -391,13 +373,13 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                                     ready_rt0, free_rt0, free_l1, p_ready, p_free, Indices, b_i,
                                     s_i, 2 * i, i & 1, acc_s, acc_o_l, row_max, row_max_prev,
                                     row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared,
-                                    scale2, rescale)
+                                    scale2)
                     if 2 * i + 1 < NB:
                         scores_and_left(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, K_l0, ready_l1,
                                         ready_rt1, free_rt1, free_l0, p_ready, p_free, Indices,
                                         b_i, s_i, 2 * i + 1, i & 1, acc_s, acc_o_l, row_max,
                                         row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                                        alpha_shared, P_shared, scale2, rescale)
+                                        alpha_shared, P_shared, scale2)
                 # the last block's P V (its buffer by the parity of NB)
                 if NB > 0:
                     if NB % 2 == 1:
@@ -418,10 +400,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.fill(acc_o_r, 0)
                 for i in T.serial(T.ceildiv(NB, 2)):
                     right(K_r0, free_rt0, p_ready, p_free, 2 * i, acc_o_r, alpha_shared,
-                          P_shared, rescale)
+                          P_shared)
                     if 2 * i + 1 < NB:
                         right(K_r1, free_rt1, p_ready, p_free, 2 * i + 1, acc_o_r, alpha_shared,
-                              P_shared, rescale)
+                              P_shared)
                 T.barrier_wait(fin_ready[0], 0)
                 for h, d in T.Parallel(M, DH):
                     acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
