@@ -16,7 +16,8 @@ wg0_chunks, overlap, w1_right; ``None`` is the kernel's default; ``...,False`` g
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
 chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
-leave one launch per call for Nsight Compute.
+leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
+checks on (off by default: kernels and host only).
 """
 import argparse
 import sys
