@@ -527,6 +527,40 @@ def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("failing", ["fwd", "bwd_main", "bwd_finish"])
+def test_bad_values_still_win_over_a_failed_launch(fw, failing):
+    """With the safe copy the wrappers wait for the checks after their launches; a launch that
+    fails in between (out of memory, a failed compile) must not hide the checks' ValueError for
+    bad inputs (it came first when the checks were waited for first).  Good inputs: the
+    launch's own error."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=8)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=CpuStandIn())
+    bad = to_numpy(idx).astype(np.int32)
+    bad[0, 1, 3] = 64  # = S_kv
+    bad = to_tensor(fw, bad, "int32")
+
+    class Failing(_StandInWithStats):
+        pass
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    setattr(Failing, failing, boom)
+    prov = Failing(fw)
+    if failing == "fwd":
+        calls = [lambda i: interface.mqa_latent_sparse_fwd(q, kv, i, SM, sk, provider=prov)]
+    else:
+        calls = [lambda i, det=det: interface.mqa_latent_sparse_bwd(
+            q, kv, out, do, lse, sk, i, SM, deterministic=det, provider=prov)
+            for det in (True, False)]
+    for call in calls:
+        with pytest.raises(ValueError, match="token_indices"):
+            call(bad)
+        with pytest.raises(RuntimeError, match="launch failed"):
+            call(idx)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_each_wrapper_checks_once(fw, monkeypatch):
     """One call, one tensor check and one value read (they used to run twice in places)."""
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=4)

@@ -22,6 +22,7 @@ across calls and processes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -225,6 +226,25 @@ def _pending_checks(values, token_indices):
     return pending.indices, None, pending.finish
 
 
+@contextlib.contextmanager
+def _checks_win(after):
+    """Around the launches between the value checks' launch and ``after`` (their wait, see
+    :func:`_pending_checks`): should a launch fail there (out of memory, a failed compile), the
+    checks' ``ValueError`` for bad inputs is raised instead, as it was when the checks came
+    first; otherwise the failure itself."""
+    try:
+        yield
+    except Exception:
+        if after is not None:
+            try:
+                after()
+            except ValueError:
+                raise
+            except Exception:  # the checks cannot tell (e.g. the device is gone): the failure
+                pass
+        raise
+
+
 def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=None):
     """``inv_grid [B, S_kv] fp32``: ``1 / g_j = 2**-e_j`` of the first pass's per-key grids, for
     ``query [B, S, H, Dk]`` (the real heads, contiguous), ``do2 [B, S, H_pad] fp64`` (each
@@ -373,17 +393,17 @@ def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h,
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, token_indices, attn_sink)
     indices, before, after = _pending_checks(values, token_indices)
-
-    q = _pad_heads(ops, ops.contiguous(query), plan.padded_heads)
-    kv_c = ops.contiguous(kv)
-    idx = _prepare_indices(ops, indices)
-    sink = _sink_vector(ops, attn_sink, dims.H, plan.padded_heads, q)
-    scale = ops.full((1,), sm_scale, "float32", q)
-    out = ops.empty((dims.B, dims.S, plan.padded_heads, dims.Dv), "bfloat16", q)
-    lse = ops.empty((dims.B, dims.S, plan.padded_heads), "float32", q)
-    if before is not None:
-        before()  # no safe copy of the indices: the numbers before the kernel reads one
-    provider.fwd(plan.heads_per_cta, q, kv_c, idx, sink, scale, out, lse)
+    with _checks_win(after):
+        q = _pad_heads(ops, ops.contiguous(query), plan.padded_heads)
+        kv_c = ops.contiguous(kv)
+        idx = _prepare_indices(ops, indices)
+        sink = _sink_vector(ops, attn_sink, dims.H, plan.padded_heads, q)
+        scale = ops.full((1,), sm_scale, "float32", q)
+        out = ops.empty((dims.B, dims.S, plan.padded_heads, dims.Dv), "bfloat16", q)
+        lse = ops.empty((dims.B, dims.S, plan.padded_heads), "float32", q)
+        if before is not None:
+            before()  # no safe copy of the indices: the numbers before the kernel reads one
+        provider.fwd(plan.heads_per_cta, q, kv_c, idx, sink, scale, out, lse)
     if after is not None:
         after()
     return _slice_heads(ops, out, dims.H), _slice_heads(ops, lse, dims.H)
@@ -483,34 +503,34 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
                             ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
                             *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
     indices, before, after = _pending_checks(values, token_indices)
+    with _checks_win(after):
+        q = _pad_heads(ops, ops.contiguous(query), h_pad)
+        do_p = _pad_heads(ops, do_c, h_pad)
+        kv_c = ops.contiguous(kv)
+        idx = _prepare_indices(ops, indices)
 
-    q = _pad_heads(ops, ops.contiguous(query), h_pad)
-    do_p = _pad_heads(ops, do_c, h_pad)
-    kv_c = ops.contiguous(kv)
-    idx = _prepare_indices(ops, indices)
-
-    scale = ops.full((1,), sm_scale, "float32", q)
-    dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
-    if deterministic:
-        acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                   scale, dq, ops.contiguous(query), do2, sm_scale, before)
-    else:
-        acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
-        inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
-        if before is not None:
-            before()  # before the first kernel that dereferences an index
-        provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
-                          delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
-                          ops.empty((B, dims.S_kv), "int64", q),
-                          ops.empty((B, dims.S_kv), "int32", q))
-    dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
-    provider.bwd_finish(plan.heads_per_cta, deterministic, acc, inv_grid, dkv)
-    # d_sink[h] = -sum over rows of P_sink Delta: one framework reduction over B*S rows, whose
-    # order is fixed for a given shape (no atomics); queued behind the kernels
-    if attn_sink is None:
-        d_sink = ops.zeros((H,), "float32", lse_f)
-    else:
-        d_sink = ops.sum(d_sink_rows, axis=0)[:H]
+        scale = ops.full((1,), sm_scale, "float32", q)
+        dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
+        if deterministic:
+            acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
+                                       scale, dq, ops.contiguous(query), do2, sm_scale, before)
+        else:
+            acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
+            inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
+            if before is not None:
+                before()  # before the first kernel that dereferences an index
+            provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
+                              delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
+                              ops.empty((B, dims.S_kv), "int64", q),
+                              ops.empty((B, dims.S_kv), "int32", q))
+        dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
+        provider.bwd_finish(plan.heads_per_cta, deterministic, acc, inv_grid, dkv)
+        # d_sink[h] = -sum over rows of P_sink Delta: one framework reduction over B*S rows, whose
+        # order is fixed for a given shape (no atomics); queued behind the kernels
+        if attn_sink is None:
+            d_sink = ops.zeros((H,), "float32", lse_f)
+        else:
+            d_sink = ops.sum(d_sink_rows, axis=0)[:H]
     if after is not None:
         after()
     return _slice_heads(ops, dq, H), dkv, d_sink
