@@ -227,11 +227,12 @@ def _pending_checks(values, token_indices):
 
 
 @contextlib.contextmanager
-def _checks_win(after):
-    """Around the launches between the value checks' launch and ``after`` (their wait, see
-    :func:`_pending_checks`): should a launch fail there (out of memory, a failed compile), the
-    checks' ``ValueError`` for bad inputs is raised instead, as it was when the checks came
-    first; otherwise the failure itself."""
+def _checks_last(after):
+    """Around the launches that read the checks' safe copy: ``after`` (their wait, see
+    :func:`_pending_checks`; ``None``: nothing) runs when the block is done.  Should a launch
+    fail in the block (out of memory, a failed compile), the checks' ``ValueError`` for bad
+    inputs is raised instead, as it was when the checks came first; otherwise the failure
+    itself."""
     try:
         yield
     except Exception:
@@ -243,6 +244,8 @@ def _checks_win(after):
             except Exception:  # the checks cannot tell (e.g. the device is gone): the failure
                 pass
         raise
+    if after is not None:
+        after()
 
 
 def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=None):
@@ -393,7 +396,7 @@ def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h,
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, token_indices, attn_sink)
     indices, before, after = _pending_checks(values, token_indices)
-    with _checks_win(after):
+    with _checks_last(after):
         q = _pad_heads(ops, ops.contiguous(query), plan.padded_heads)
         kv_c = ops.contiguous(kv)
         idx = _prepare_indices(ops, indices)
@@ -404,8 +407,6 @@ def _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h,
         if before is not None:
             before()  # no safe copy of the indices: the numbers before the kernel reads one
         provider.fwd(plan.heads_per_cta, q, kv_c, idx, sink, scale, out, lse)
-    if after is not None:
-        after()
     return _slice_heads(ops, out, dims.H), _slice_heads(ops, lse, dims.H)
 
 
@@ -503,8 +504,9 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
                             ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
                             *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
     indices, before, after = _pending_checks(values, token_indices)
-    with _checks_win(after):
-        q = _pad_heads(ops, ops.contiguous(query), h_pad)
+    with _checks_last(after):
+        query_c = ops.contiguous(query)
+        q = _pad_heads(ops, query_c, h_pad)
         do_p = _pad_heads(ops, do_c, h_pad)
         kv_c = ops.contiguous(kv)
         idx = _prepare_indices(ops, indices)
@@ -513,7 +515,7 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
         dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
         if deterministic:
             acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                       scale, dq, ops.contiguous(query), do2, sm_scale, before)
+                                       scale, dq, query_c, do2, sm_scale, before)
         else:
             acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
             inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
@@ -531,8 +533,6 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
             d_sink = ops.zeros((H,), "float32", lse_f)
         else:
             d_sink = ops.sum(d_sink_rows, axis=0)[:H]
-    if after is not None:
-        after()
     return _slice_heads(ops, dq, H), dkv, d_sink
 
 

@@ -31,11 +31,10 @@ LN2 = 0.6931471805599453
 
 
 @T.macro
-def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
-                 alpha_shared=None):
+def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2):
     """One key block of the online softmax: raw scores ``acc_s [M, BK]`` become the block's
     weights ``2^((s - m) scale2)``; the running max and sum move on, ``alpha`` is the factor for
-    the output accumulated so far (also into ``alpha_shared`` when given)."""
+    the output accumulated so far."""
     M, BK = acc_s.shape
     T.copy(row_max, row_max_prev)
     T.reduce_max(acc_s, row_max, dim=1, clear=False)
@@ -50,8 +49,6 @@ def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
     T.reduce_sum(acc_s, blk_sum, dim=1)
     for h in T.Parallel(M):
         row_sum[h] = row_sum[h] * alpha[h] + blk_sum[h]
-        if alpha_shared is not None:
-            alpha_shared[h] = alpha[h]
 
 
 @T.macro
