@@ -218,7 +218,8 @@ def grid_scatter(threads: int = 256):
 def grid_keys(threads: int = 256):
     """``InvGrid [B, S_kv] fp32 = 2^-e``, ``e = clip(ceil(log2 Est') - frac_bits + shift, e_lo,
     e_hi)`` with ``Est' = Est`` (as fp64) where positive, else 1, and ``frac_bits`` from
-    ``Top`` as in :func:`grid_scatter`; ``shift = GRID_MARGIN_BITS - EXACT_BITS`` and the clip
+    ``Top`` as in :func:`grid_scatter`; ``shift = GRID_MARGIN_BITS - EXACT_BITS`` (+ one per
+    doubling of a row's head groups, ``interface._grid_estimate``) and the clip
     range are scalar arguments.  One thread per key."""
     B = T.dynamic("B")
     S_kv = T.dynamic("S_kv")
