@@ -656,6 +656,55 @@ def test_deterministic_backward_captures_in_a_cuda_graph(monkeypatch):
             assert torch.equal(a, b), f"{name}: graph replay differs (margin {margin})"
 
 
+def _ragged_indices(rng, B, S, S_kv, L):
+    """``[B, S, L]`` int32: row ``s`` has keys only in its first ``e_s`` slots (``e_s`` random in
+    ``0..L``, some rows 0, 1 or ``L``), a third of those ``-1`` (holes), its slot ``e_s - 1``
+    always a key: the 64-head kernels walk a row only up to that slot (``row_blocks``)."""
+    idx = np.full((B, S, L), -1, np.int32)
+    ext = rng.integers(0, L + 1, (B, S))
+    ext[:, :3] = (0, 1, L)
+    for b in range(B):
+        for r in range(S):
+            e = int(ext[b, r])
+            keys = rng.permutation(S_kv)[:e]
+            holes = rng.random(e) < 1 / 3
+            holes[-1:] = False
+            keys[holes] = -1
+            idx[b, r, :e] = keys
+    return idx
+
+
+class _FullWalkForward(interface.TileLangKernels if cuda_available() else object):
+    """The shipped kernels, except the 64-head forward walks every key block in row order
+    (``row_extent=False``)."""
+
+    def fwd(self, m, q, kv, idx, sink, scale, out, lse):
+        if m != 64:
+            return super().fwd(m, q, kv, idx, sink, scale, out, lse)
+        self._kernel(("fwd", 64, DK, DV, 64, 256, 1, True, False))(q, kv, idx, sink, scale, out,
+                                                                  lse)
+
+
+def test_ragged_rows_forward():
+    """Rows whose keys end early, with holes: the 64-head forward, which stops after a row's
+    last key (and walks the rows last-first), gives the reference's out and lse and bitwise the
+    same as the kernel that walks every block."""
+    B, S, S_kv, H, L = 2, 48, 900, 64, 640
+    rng = np.random.default_rng(11)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn((B, S, H, DK), generator=g, device="cuda").to(torch.bfloat16)
+    kv = torch.randn((B, S_kv, DK), generator=g, device="cuda").to(torch.bfloat16)
+    sink = torch.randn((H,), generator=g, device="cuda").float()
+    idx = torch.from_numpy(_ragged_indices(rng, B, S, S_kv, L)).cuda()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink,
+                                               provider=GuardedKernels())
+    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
+    assert rel_l2(out.float(), ref_out) < TOL and rel_l2(lse, ref_lse) < TOL
+    full_out, full_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink,
+                                                         provider=_FullWalkForward())
+    assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
+
+
 def test_rows_without_keys_give_zero_and_inf():
     case = dict(B=1, S=16, S_kv=64, H=8, L=64, sink=True)
     q, kv, do, sink, idx = _inputs(case, 7)

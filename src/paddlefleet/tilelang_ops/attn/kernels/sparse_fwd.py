@@ -20,6 +20,7 @@ from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PA
 
 from ... import settings
 from .async_copy import gather_key_block, load_head_tile
+from .row_blocks import last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -75,7 +76,8 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None):
+               num_stages: int = 1, warp_specialized: bool | None = None,
+               row_extent: bool = True):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -84,6 +86,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
         block_k: key block ``BK``; ``L`` must be a multiple of it.
         warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
             ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
+        row_extent: (64-head schedule) walk a row only up to its last slot with a key, rows
+            last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -95,7 +99,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -183,7 +187,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
+                      row_extent: bool = True):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
@@ -211,6 +216,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
     share one wait (run 24: -3 to -6%).
     Registers (``setmaxnreg``, 256 + 168 + 80 = 3 x 168): warpgroup 0 256 per thread (with 240
     ptxas spilled 52 bytes), warpgroup 1 168, the producer 80.
+
+    With ``row_extent`` every role walks the row's blocks only up to the one holding its last
+    slot with a key (the blocks after it add nothing: outputs bitwise equal), counted by all
+    384 threads under the query tile's load, and the rows go last-first (``row_blocks``).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
     M = heads_per_cta
@@ -305,7 +314,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
         O: T.Tensor([B, S, H_pad, D], dtype),
         Lse: T.Tensor([B, S, H_pad], acc_t),
     ):
-        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (s_i, b_i, g_i):
+        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (bx, b_i, g_i):
+            s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
             Q_tail = T.alloc_shared([M, D_tail], dtype)
@@ -347,14 +357,22 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int):
             m_shift = T.alloc_fragment([M], acc_t)
             lse_frag = T.alloc_fragment([M], acc_t)
             scale2 = T.alloc_local([1], acc_t)
+            ext_v = T.alloc_local([4], "int32")
+            ext_last = T.alloc_local([1], "int32")
+            ext_warps = T.alloc_shared([3 * WG // 32], "int32")
+            nb = T.alloc_local([1], "int32")
 
             tx = T.get_thread_binding()
             h0 = g_i * M
-            NB = L // BK
             # 16-byte cp.async, all in flight at once: a T.copy by 384 threads (which do not
             # divide the tile) lowered to 97 two-byte loads per thread, ~65 us per CTA (run 24)
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
+            if row_extent:
+                row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
+            else:
+                nb[0] = L // BK
+            NB = nb[0]
             T.barrier_wait(q_ready[0], 0)
             # written through the generic proxy, read by wgmma (the async proxy)
             T.fence_proxy_async()
