@@ -189,8 +189,11 @@ def _inputs(case, seed):
     sink = None
     if case.get("sink"):
         sink = (torch.randn((H,), generator=g, device=dev) + 1.0).float()
-    idx = causal_topk_indices(B, S, S_kv, L, seed=seed,
-                              dtype=case.get("index_dtype", "int32"))
+    if case.get("ragged"):  # keys end early in most rows, with holes (_ragged_indices)
+        idx = _ragged_indices(np.random.default_rng(seed), B, S, S_kv, L)
+    else:
+        idx = causal_topk_indices(B, S, S_kv, L, seed=seed,
+                                  dtype=case.get("index_dtype", "int32"))
     idx = torch.from_numpy(idx).to(dev)
     for r in case.get("empty_rows", ()):
         idx[:, r, :] = -1
@@ -215,6 +218,8 @@ CASES = [
     dict(id="H48_L2048_sink", B=1, S=32, S_kv=2100, H=48, L=2048, sink=True),
     dict(id="H64_L2048_sink", B=1, S=64, S_kv=2112, H=64, L=2048, sink=True),
     dict(id="H64_B2_L640_empty", B=2, S=40, S_kv=700, H=64, L=640, empty_rows=(3,)),
+    # keys end early in most rows, with holes: the 64-head kernels stop after a row's last key
+    dict(id="H64_L640_ragged_sink", B=1, S=48, S_kv=900, H=64, L=640, sink=True, ragged=True),
     # 192 slots: an odd number (3) of the 64-head forward's and backward's 64-key blocks
     dict(id="H64_L150_sink_oddblocks", B=1, S=40, S_kv=200, H=64, L=150, sink=True,
          empty_rows=(7,)),
@@ -429,13 +434,16 @@ class _FirstPassCapture(interface.TileLangKernels if cuda_available() else objec
 @pytest.mark.parametrize("case", [
     dict(B=1, S=40, S_kv=200, H=64, L=150, sink=True, empty_rows=(7,)),  # 3 key blocks: odd
     dict(B=2, S=24, S_kv=300, H=100, L=200, sink=True),  # two head groups, 28 pad heads
-], ids=["H64_odd_blocks", "H100_two_groups"])
+    dict(B=2, S=40, S_kv=900, H=64, L=640, sink=True, ragged=True),  # rows end early, holes
+], ids=["H64_odd_blocks", "H100_two_groups", "H64_ragged_rows"])
 def test_warp_specialized_bound_equals_one_role(case):
     """The 64-head kernel splits each key block's dKV between two warpgroups; warpgroup 0 hands
     its slots' maxima to warpgroup 1, which adds each key's exactness bound.  Nothing else
     checks those bounds (a lost handover leaves them too small and the results still right),
     so compare the first pass with the one-role kernel's: the contributions are the same fp32
-    GEMM sums, so dq, the exact dKV accumulator, Bound and BoundExp are bitwise equal."""
+    GEMM sums, so dq, the exact dKV accumulator, Bound and BoundExp are bitwise equal.  With
+    ragged rows the 64-head kernel stops after a row's last key (``row_blocks``) and the
+    one-role kernel walks every block: the same again."""
     q, kv, do, sink, idx = _inputs(case, 31)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink)
     got = {}

@@ -9,10 +9,11 @@ printed lines go into docs/performance.md.
     python3 tools/experiments/kernel_trial.py --fwd "plain=64,256,1,False" \
         --bwd "rowmajor=256,1,128,False,False" --shapes ref,fleet --reps 10
 
-``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)``;
+``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)`` (block_k,
+threads, num_stages, warp_specialized, row_extent);
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right; ``None`` is the kernel's default; ``...,False`` gives
+wg0_chunks, overlap, w1_right, row_extent; ``None`` is the kernel's default; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
 chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``

@@ -28,29 +28,25 @@ def last_row_first(bx, S):
 
 
 @T.macro
-def row_key_blocks(Indices, b_i, s_i, tx, threads, block, v, last, warp_last, nb):
+def row_key_blocks(Indices, b_i, s_i, lane, block, v, last, nb):
     """``nb[0]``: the blocks of ``block`` slots of row ``(b_i, s_i)`` up to and including the
     one that holds its last slot with a key (``>= 0``), at least 1 (a row without keys walks
-    one masked block, as before).  Every one of the CTA's ``threads`` threads calls it (it ends
-    in a CTA barrier) and gets the same value.  Scratch: ``v`` local ``[4]`` int32, ``last``
-    local ``[1]`` int32, ``warp_last`` shared ``[threads / 32]`` int32.  16-byte loads (``L`` is
-    a multiple of the block, so of 4); call it before a long wait (the query tile's) so that its
-    loads fly under that one."""
+    one masked block, as before).  Each warp scans the whole row by itself (the row's ``4 L``
+    bytes, L1 hits after the first warp) and ends with the same value on every lane: no
+    shared memory and no CTA barrier (a shared scratch would be reused by the liveness-based
+    merge for buffers the other warpgroups write while a slow warp may still read it).
+    Scratch: ``v`` local ``[4]`` int32, ``last`` local ``[1]`` int32.  Call it before a long
+    wait (the query tile's), so that its loads fly under that one."""
     L = Indices.shape[2]
     last[0] = 0
-    for p in T.serial(T.ceildiv(L, threads * VEC)):
-        base = (p * threads + tx) * VEC
+    for p in T.serial(T.ceildiv(L, WARP * VEC)):
+        base = (p * WARP + lane) * VEC
         if base < L:
-            for e in T.vectorized(VEC):
+            for e in T.unroll(VEC):
                 v[e] = Indices[b_i, s_i, base + e]
             for e in T.unroll(VEC):  # slots grow with p and e: the last hit is the largest
                 if v[e] >= 0:
                     last[0] = base + e + 1
     for k in T.unroll(5):
         last[0] = T.max(last[0], T.shfl_xor(last[0], 16 >> k))
-    if tx % WARP == 0:
-        warp_last[tx // WARP] = last[0]
-    T.sync_threads()
-    for w in T.serial(threads // WARP):
-        last[0] = T.max(last[0], warp_last[w])
     nb[0] = T.max(1, T.ceildiv(last[0], block))

@@ -35,6 +35,7 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 from ... import settings
 from ..tiling import dkv_column, dkv_columns_permuted, dkv_source_column
 from .async_copy import load_head_tile
+from .row_blocks import last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -286,7 +287,8 @@ def finish(d_qk: int, permuted: bool, scaled: bool, block_rows: int = 8, threads
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
          block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
          dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
-         wg0_chunks: int | None = None, overlap: bool = False, w1_right: bool | None = None):
+         wg0_chunks: int | None = None, overlap: bool = False, w1_right: bool | None = None,
+         row_extent: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -333,7 +335,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2; default 2 in the exact mode, 0 in
     the atomic mode) is how many of each block's nine dKV chunks its scores warpgroup adds, and
     ``overlap`` gives the dKV warpgroup two accumulators (docs/performance.md, sixth and seventh
-    sessions).
+    sessions); ``row_extent`` (default) makes it walk a row only up to the block that holds its
+    last slot with a key, rows last-first (``row_blocks``; ``False``: every block, a trial knob).
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -341,7 +344,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     if warp_specialized is None:  # measured faster for 64-head tiles (run 29)
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
-        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right)
+        return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
+                               row_extent)
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -553,7 +557,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool = False,
-                    w1_right: bool | None = None):
+                    w1_right: bool | None = None, row_extent: bool = True):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -776,7 +780,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         Bound: T.Tensor([B, S_kv], "int64"),
         BoundExp: T.Tensor([B, S_kv], "int32"),
     ):
-        with T.Kernel(S, B, H_pad // M, threads=2 * WG) as (s_i, b_i, g_i):
+        with T.Kernel(S, B, H_pad // M, threads=2 * WG) as (bx, b_i, g_i):
+            s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
             Q_t = T.alloc_shared([M, D_tail], dtype)
@@ -825,16 +830,23 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             slot = T.alloc_local([2], "int32")
             inv_l = T.alloc_local([2], acc_t)
             u_l = T.alloc_local([2], acc_t)
+            ext_v = T.alloc_local([4], "int32")
+            ext_last = T.alloc_local([1], "int32")
+            nb = T.alloc_local([1], "int32")
 
             tx = T.get_thread_binding()
             h0 = g_i * M
-            NB = L // BK
-            if tx < WG and NB > 0:  # block 0's keys, under the query tile's load
+            if tx < WG and L // BK > 0:  # block 0's keys (always walked), under the tiles' load
                 gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx)
                 gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx)
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
             load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
+            if row_extent:
+                row_key_blocks(Indices, b_i, s_i, tx % 32, BK, ext_v, ext_last, nb)
+            else:
+                nb[0] = L // BK
+            NB = nb[0]
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
 

@@ -218,8 +218,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     ptxas spilled 52 bytes), warpgroup 1 168, the producer 80.
 
     With ``row_extent`` every role walks the row's blocks only up to the one holding its last
-    slot with a key (the blocks after it add nothing: outputs bitwise equal), counted by all
-    384 threads under the query tile's load, and the rows go last-first (``row_blocks``).
+    slot with a key (the blocks after it add nothing: outputs bitwise equal), counted by every
+    warp under the query tile's load, and the rows go last-first (``row_blocks``).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
     M = heads_per_cta
@@ -359,7 +359,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             scale2 = T.alloc_local([1], acc_t)
             ext_v = T.alloc_local([4], "int32")
             ext_last = T.alloc_local([1], "int32")
-            ext_warps = T.alloc_shared([3 * WG // 32], "int32")
             nb = T.alloc_local([1], "int32")
 
             tx = T.get_thread_binding()
@@ -369,7 +368,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
             if row_extent:
-                row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
+                row_key_blocks(Indices, b_i, s_i, tx % 32, BK, ext_v, ext_last, nb)
             else:
                 nb[0] = L // BK
             NB = nb[0]
