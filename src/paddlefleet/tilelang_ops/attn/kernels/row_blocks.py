@@ -14,7 +14,7 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["row_key_blocks", "last_row_first"]
+__all__ = ["alloc_scratch", "row_key_blocks", "last_row_first"]
 
 WARP = 32
 VEC = 4  # int32 per 16-byte load
@@ -27,26 +27,43 @@ def last_row_first(bx, S):
     return S - 1 - bx
 
 
+def alloc_scratch(threads):
+    """``(v, last, warp_last, nb)`` of :func:`row_key_blocks`.  ``warp_last`` is static shared
+    memory (scope ``"shared"``), which TileLang's shared-memory merge leaves alone: in the
+    dynamic pool its liveness-based reuse put it under a buffer that another warpgroup writes
+    later, while a slow warp may still read it."""
+    return (T.alloc_local([2 * VEC], "int32"), T.alloc_local([1], "int32"),
+            T.alloc_shared([threads // WARP], "int32", scope="shared"),
+            T.alloc_local([1], "int32"))
+
+
 @T.macro
-def row_key_blocks(Indices, b_i, s_i, lane, block, v, last, nb):
+def row_key_blocks(Indices, b_i, s_i, tx, threads, block, v, last, warp_last, nb):
     """``nb[0]``: the blocks of ``block`` slots of row ``(b_i, s_i)`` up to and including the
     one that holds its last slot with a key (``>= 0``), at least 1 (a row without keys walks
-    one masked block, as before).  Each warp scans the whole row by itself (the row's ``4 L``
-    bytes, L1 hits after the first warp) and ends with the same value on every lane: no
-    shared memory and no CTA barrier (a shared scratch would be reused by the liveness-based
-    merge for buffers the other warpgroups write while a slow warp may still read it).
-    Scratch: ``v`` local ``[4]`` int32, ``last`` local ``[1]`` int32.  Call it before a long
-    wait (the query tile's), so that its loads fly under that one."""
+    one masked block, as before).  Every one of the CTA's ``threads`` threads calls it (it ends
+    in a CTA barrier) and gets the same value; scratch from :func:`alloc_scratch`.  Each thread
+    loads 8 slots per pass, all before it looks at them (a 2048-slot row is one pass of 256
+    threads), then a warp butterfly and the warps' maxima through shared memory.  Call it
+    before a long wait (the query tile's), so that its loads fly under that one (run 47: a scan
+    by every warp of the whole row, one load latency per 128 slots, cost 0.2 ms at ref)."""
     L = Indices.shape[2]
     last[0] = 0
-    for p in T.serial(T.ceildiv(L, WARP * VEC)):
-        base = (p * WARP + lane) * VEC
-        if base < L:
+    for p in T.serial(T.ceildiv(L, threads * 2 * VEC)):
+        for u in T.unroll(2):
             for e in T.unroll(VEC):
-                v[e] = Indices[b_i, s_i, base + e]
-            for e in T.unroll(VEC):  # slots grow with p and e: the last hit is the largest
-                if v[e] >= 0:
-                    last[0] = base + e + 1
+                v[u * VEC + e] = -1
+                if ((p * 2 + u) * threads + tx) * VEC + e < L:
+                    v[u * VEC + e] = Indices[b_i, s_i, ((p * 2 + u) * threads + tx) * VEC + e]
+        for u in T.unroll(2):
+            for e in T.unroll(VEC):  # slots grow with p, u and e: the last hit is the largest
+                if v[u * VEC + e] >= 0:
+                    last[0] = ((p * 2 + u) * threads + tx) * VEC + e + 1
     for k in T.unroll(5):
         last[0] = T.max(last[0], T.shfl_xor(last[0], 16 >> k))
+    if tx % WARP == 0:
+        warp_last[tx // WARP] = last[0]
+    T.sync_threads()
+    for w in T.serial(threads // WARP):
+        last[0] = T.max(last[0], warp_last[w])
     nb[0] = T.max(1, T.ceildiv(last[0], block))

@@ -35,7 +35,7 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 from ... import settings
 from ..tiling import dkv_column, dkv_columns_permuted, dkv_source_column
 from .async_copy import load_head_tile
-from .row_blocks import last_row_first, row_key_blocks
+from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -830,9 +830,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             slot = T.alloc_local([2], "int32")
             inv_l = T.alloc_local([2], acc_t)
             u_l = T.alloc_local([2], acc_t)
-            ext_v = T.alloc_local([4], "int32")
-            ext_last = T.alloc_local([1], "int32")
-            nb = T.alloc_local([1], "int32")
+            ext_v, ext_last, ext_warps, nb = alloc_scratch(2 * WG)
 
             tx = T.get_thread_binding()
             h0 = g_i * M
@@ -843,7 +841,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
             if row_extent:
-                row_key_blocks(Indices, b_i, s_i, tx % 32, BK, ext_v, ext_last, nb)
+                row_key_blocks(Indices, b_i, s_i, tx, 2 * WG, BK, ext_v, ext_last, ext_warps, nb)
             else:
                 nb[0] = L // BK
             NB = nb[0]

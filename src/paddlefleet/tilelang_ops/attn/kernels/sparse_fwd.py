@@ -20,7 +20,7 @@ from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PA
 
 from ... import settings
 from .async_copy import gather_key_block, load_head_tile
-from .row_blocks import last_row_first, row_key_blocks
+from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -357,9 +357,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             m_shift = T.alloc_fragment([M], acc_t)
             lse_frag = T.alloc_fragment([M], acc_t)
             scale2 = T.alloc_local([1], acc_t)
-            ext_v = T.alloc_local([4], "int32")
-            ext_last = T.alloc_local([1], "int32")
-            nb = T.alloc_local([1], "int32")
+            ext_v, ext_last, ext_warps, nb = alloc_scratch(3 * WG)
 
             tx = T.get_thread_binding()
             h0 = g_i * M
@@ -368,7 +366,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
             if row_extent:
-                row_key_blocks(Indices, b_i, s_i, tx % 32, BK, ext_v, ext_last, nb)
+                row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
             else:
                 nb[0] = L // BK
             NB = nb[0]
