@@ -135,9 +135,10 @@ def test_kernel_lowers_for_sm90a(name, args):
 
 
 def _guarded(src, access, guards, before=600):
-    """Every ``access`` (e.g. ``"Over["``) in ``src`` has each of ``guards`` in the ``before``
-    characters ahead of it (the bounds check of its ``if``)."""
-    sites = [m.start() for m in re.finditer(re.escape(access), src)]
+    """Every ``access`` (e.g. ``"Over["``, not ``"AnyOver["``: the name whole) in ``src`` has
+    each of ``guards`` in the ``before`` characters ahead of it (the bounds check of its
+    ``if``)."""
+    sites = [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(access), src)]
     assert sites, access
     for at in sites:
         window = src[max(0, at - before):at]
