@@ -304,6 +304,65 @@ def test_rerun_slots_match_the_framework_compaction_of_a_plan(fw, rng):
     assert 0 < to_numpy(counts).sum() < (idx >= 0).sum()
 
 
+def _keep_every_key(bound, bexp, over, b):
+    """Batch ``b`` of a first-pass state with its over keys (``over``, bool) turned into keys
+    without contributions (Bound 0, BoundExp at its start value): no key of it re-runs."""
+    bound, bexp = bound.copy(), bexp.copy()
+    bound[b][over[b]] = 0
+    bexp[b][over[b]] = -(2**30)
+    return bound, bexp
+
+
+@pytest.mark.parametrize("over_in", [(), (1,)], ids=["none", "batch1"])
+def test_rerun_slots_skip_a_batch_with_no_rerun_key(fw, rng, over_in):
+    """The plan flags the batches with a re-run key (``any_over``, zeroed by the caller) and
+    the compaction skips the others: their rows get counts 0, their idx2 rows keep the poison
+    (not written), and the flag, not ``over``, decides (a stale over key in a batch whose flag
+    is 0 is not looked up).  The flagged batch's rows are the former framework compaction.  A
+    stand-in (or kernel) that ignored the flag would overwrite the poison."""
+    B, S, S_kv, L, n_max = 2, 9, 200, 48, 10.0
+    bound, bexp, inv, acc = exact_first_pass_state(rng, B, S_kv, n_max)
+    ops0 = ops_for(fw.t(bound))
+    over0 = to_numpy(_framework_plan(ops0, *(fw.t(a) for a in (bound, bexp, inv, acc)),
+                                     n_max)[0])
+    for b in range(B):
+        if b not in over_in:
+            bound, bexp = _keep_every_key(bound, bexp, over0, b)
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=S_kv - 10, empty_rows=(2,))
+    t = [fw.t(a) for a in (bound, bexp, inv, acc)]
+    idx_t = fw.t(idx)
+    ops = ops_for(idx_t)
+    ref_over, _, _ = _framework_plan(ops, *t, n_max)
+    ref_idx2, ref_counts = _framework_slots(ops, ref_over, idx_t)
+    assert [bool(to_numpy(ref_over)[b].any()) for b in range(B)] == [b in over_in
+                                                                      for b in range(B)]
+    prov = CpuStandIn()
+    over = ops.empty((B, S_kv), "int32", idx_t)
+    any_over = ops.zeros((B,), "int32", idx_t)
+    prov.exact_rerun_plan(*t, over, any_over, n_max, EXACT, COARSE)
+    assert to_numpy(any_over).tolist() == [int(b in over_in) for b in range(B)]
+    assert np.array_equal(to_numpy(over).astype(bool), to_numpy(ref_over))
+
+    idx2 = ops.full((B, S, L), POISON, "int32", idx_t)
+    counts = ops.full((B, S), POISON, "int32", idx_t)
+    prov.exact_rerun_slots(idx_t, over, any_over, idx2, counts)
+    got_idx2, got_counts = to_numpy(idx2), to_numpy(counts)
+    assert np.array_equal(got_counts, to_numpy(ref_counts))
+    for b in range(B):
+        if b in over_in:
+            assert np.array_equal(got_idx2[b], to_numpy(ref_idx2)[b])
+            assert 0 < got_counts[b].sum() < (idx[b] >= 0).sum()
+        else:
+            assert (got_counts[b] == 0).all() and (got_idx2[b] == POISON).all()
+
+    # the flag decides: every key of batch 0 marked over, its flag still 0
+    stale = to_numpy(over).copy()
+    stale[0] = 1
+    idx2 = ops.full((B, S, L), POISON, "int32", idx_t)
+    prov.exact_rerun_slots(idx_t, fw.t(stale), any_over, idx2, counts)
+    assert (to_numpy(counts)[0] == 0).all() and (to_numpy(idx2)[0] == POISON).all()
+
+
 # --- through the wrapper --------------------------------------------------------------------------
 class _Capture(CpuStandIn):
     """The stand-in, keeping what the exact passes see: the first pass's grids and the state it
