@@ -132,6 +132,17 @@ def test_kernel_lowers_for_sm90a(name, args):
         # the exact mode rounds onto the key's grid and proves its bound with int64 adds
         assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact
         assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
+        if not args[4]:
+            # the re-run reads a row's slots only in its ceil(Counts / BK) key blocks, none at
+            # Counts = 0: rerun_slots leaves the rows of batches without a re-run key unwritten
+            bk = args[5]
+            assert re.search(rf"int num_blocks = \(\(Counts\[[^;]*\] \+ {bk - 1}\) >> "
+                             rf"{bk.bit_length() - 1}\);", src)
+            spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
+                                       "for (int k = 0; k < (num_blocks - 1); ++k) {")
+                     for sp in _blocks(src, opener)]
+            sites = [m.start() for m in re.finditer(r"(?<!\w)Indices\[", src)]
+            assert sites and all(any(a < at < b for a, b in spans) for at in sites)
 
 
 def _guarded(src, access, guards, before=600):
