@@ -307,7 +307,7 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
     (``AnyOver[b] = 0``) reads neither ``Indices`` nor ``Over``, writes ``Counts = 0`` and
     leaves its ``Idx2`` row as it was (unwritten): almost every call re-runs no key, and the
-    compaction reads every index (run 45: 0.054 ms at S = S_kv = 8192, topk 640).  Nothing
+    compaction reads every index (run 44: 0.054 ms at S = S_kv = 8192, topk 640).  Nothing
     reads such a row: the re-run (``sparse_bwd.main`` with ``with_dq=False``) loads a row's
     ``Idx2`` only in its first ``ceil(Counts / BK)`` key blocks, none at ``Counts = 0``, and a
     row with ``Counts > 0`` belongs to a flagged batch, whose rows are written whole (the
