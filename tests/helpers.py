@@ -391,8 +391,8 @@ class CpuStandIn:
         e = np.clip(e, e_lo, e_hi)
         _write(inv_grid, np.ldexp(np.float32(1.0), (-e).astype(np.int32)).astype(np.float32))
 
-    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, n_max, exact_bits,
-                         coarse_bits):
+    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, any_over, n_max,
+                         exact_bits, coarse_bits):
         self.calls.append(("rerun_plan",))
         bound_f = to_numpy(bound).astype(np.float64) * (1.0 + 2.0**-50)
         by_max = np.ldexp(np.float64(n_max), to_numpy(bound_exp).astype(np.int32))
@@ -413,17 +413,26 @@ class CpuStandIn:
         _write(inv_grid, inv)
         _write(dkv_acc, acc)
         _write(over, out.astype(np.int32))
+        # the kernel only raises the caller's zeroed flag (atomic max of 1 per over key)
+        _write(any_over, np.maximum(to_numpy(any_over), out.any(-1)).astype(np.int32))
 
-    def exact_rerun_slots(self, indices, over, indices2, counts):
+    def exact_rerun_slots(self, indices, over, any_over, indices2, counts):
+        # a batch whose flag is 0: counts 0, its indices2 rows left as they are, and neither
+        # its indices nor its over flags read (as the kernel)
         self.calls.append(("rerun_slots",))
-        I, O = to_numpy(indices), to_numpy(over)
-        ok = (I >= 0) & (I < O.shape[1])
-        rerun = ok & (np.stack([O[b][np.where(ok[b], I[b], 0)] for b in range(I.shape[0])]) != 0)
-        first = np.argsort(~rerun, axis=-1, kind="stable")  # re-run slots first, in order
-        n = rerun.sum(-1)
-        out = np.where(np.arange(I.shape[-1]) < n[..., None], np.take_along_axis(I, first, -1), -1)
-        _write(indices2, out.astype(np.int32))
-        _write(counts, n.astype(np.int32))
+        FLAG = to_numpy(any_over)
+        IDX2 = to_numpy(indices2).copy()
+        n = np.zeros(to_numpy(counts).shape, np.int32)
+        for b in np.flatnonzero(FLAG):
+            I, O = to_numpy(indices)[b], to_numpy(over)[b]
+            ok = (I >= 0) & (I < O.shape[0])
+            rerun = ok & (O[np.where(ok, I, 0)] != 0)
+            first = np.argsort(~rerun, axis=-1, kind="stable")  # re-run slots first, in order
+            n[b] = rerun.sum(-1)
+            IDX2[b] = np.where(np.arange(I.shape[-1]) < n[b][:, None],
+                               np.take_along_axis(I, first, -1), -1)
+        _write(indices2, IDX2.astype(np.int32))
+        _write(counts, n)
 
 
 # --- shared inputs ------------------------------------------------------------------------------

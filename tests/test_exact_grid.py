@@ -30,6 +30,7 @@ from paddlefleet.tilelang_ops.attn.adapter import ops_for
 DK, DV = 576, 512
 SM = DK ** -0.5
 EXACT, COARSE = interface.EXACT_BITS, interface.RERUN_COARSE_BITS
+POISON = 12345  # in idx2 / counts before a launch: still there = not written
 
 
 # --- the former framework code (interface.py before the exact_grid kernels) -------------------
@@ -221,10 +222,13 @@ def test_rerun_plan_is_the_framework_formula(fw, rng):
     ops = ops_for(bound_t)
     ref = _framework_plan(ops, bound_t, bexp_t, inv_t, acc_t, n_max)
     over = ops.empty((B, S_kv), "int32", bound_t)
-    CpuStandIn().exact_rerun_plan(bound_t, bexp_t, inv_t, acc_t, over, n_max, EXACT, COARSE)
+    any_over = ops.zeros((B,), "int32", bound_t)
+    CpuStandIn().exact_rerun_plan(bound_t, bexp_t, inv_t, acc_t, over, any_over, n_max, EXACT,
+                                  COARSE)
     got_over = to_numpy(over)
     assert got_over.dtype == np.int32 and set(np.unique(got_over)) == {0, 1}
     assert np.array_equal(got_over.astype(bool), to_numpy(ref[0]))
+    assert to_numpy(any_over).tolist() == [1] * B  # every batch has over keys here
     assert np.array_equal(to_numpy(inv_t), to_numpy(ref[1]))
     assert np.array_equal(to_numpy(acc_t), to_numpy(ref[2]))
     # every branch was exercised: kept keys, too fine, too coarse
@@ -236,18 +240,23 @@ def test_rerun_plan_is_the_framework_formula(fw, rng):
 def test_rerun_slots_are_the_framework_compaction(fw, rng, share):
     """idx2 (the re-run keys' slots first, in order, -1 after) and counts: exactly the former
     framework code's, for no key, some keys and every key re-run, with -1 slots anywhere in a
-    row and whole -1 rows."""
+    row and whole -1 rows (no key re-run: the flag is 0, counts 0 and idx2 left as it was, which
+    the framework code filled with -1)."""
     B, S, S_kv, L = 2, 11, 90, 70
     idx = distinct_indices(rng, B, S, S_kv, L, used_keys=80, empty_rows=(4,), fill=0.7)
     over = (rng.random((B, S_kv)) < share).astype(np.int32)
     idx_t, over_t = fw.t(idx), fw.t(over)
     ops = ops_for(idx_t)
-    idx2 = ops.empty((B, S, L), "int32", idx_t)
+    idx2 = ops.full((B, S, L), POISON, "int32", idx_t)
     counts = ops.empty((B, S), "int32", idx_t)
-    CpuStandIn().exact_rerun_slots(idx_t, over_t, idx2, counts)
+    CpuStandIn().exact_rerun_slots(idx_t, over_t, fw.t(over.any(-1).astype(np.int32)), idx2,
+                                   counts)
     ref_idx2, ref_counts = _framework_slots(ops, over_t > 0, idx_t)
-    assert np.array_equal(to_numpy(idx2), to_numpy(ref_idx2))
     assert np.array_equal(to_numpy(counts), to_numpy(ref_counts))
+    if share == 0.0:
+        assert (to_numpy(idx2) == POISON).all() and (to_numpy(ref_idx2) == -1).all()
+        return
+    assert np.array_equal(to_numpy(idx2), to_numpy(ref_idx2))
     # and what that means: each row's re-run slots first, in their order, -1 after them
     rerun = (idx >= 0) & (np.take_along_axis(over, np.where(idx >= 0, idx, 0).reshape(B, -1),
                                              1).reshape(idx.shape) > 0)
@@ -268,7 +277,7 @@ def test_rerun_slots_never_read_an_index_outside_the_keys(fw):
     ops = ops_for(idx_t)
     idx2 = ops.empty((1, 1, 5), "int32", idx_t)
     counts = ops.empty((1, 1), "int32", idx_t)
-    CpuStandIn().exact_rerun_slots(idx_t, fw.t(over), idx2, counts)
+    CpuStandIn().exact_rerun_slots(idx_t, fw.t(over), fw.t(np.ones(1, np.int32)), idx2, counts)
     assert to_numpy(idx2).tolist() == [[[2, 0, -1, -1, -1]]] and to_numpy(counts).tolist() == [[2]]
 
 
@@ -284,20 +293,85 @@ def test_rerun_slots_match_the_framework_compaction_of_a_plan(fw, rng):
     ref_over, _, _ = _framework_plan(ops, *t, n_max)
     ref_idx2, ref_counts = _framework_slots(ops, ref_over, idx_t)
     over = ops.empty((B, S_kv), "int32", idx_t)
+    any_over = ops.zeros((B,), "int32", idx_t)
     prov = CpuStandIn()
-    prov.exact_rerun_plan(*t, over, n_max, EXACT, COARSE)
+    prov.exact_rerun_plan(*t, over, any_over, n_max, EXACT, COARSE)
     idx2 = ops.empty((B, S, L), "int32", idx_t)
     counts = ops.empty((B, S), "int32", idx_t)
-    prov.exact_rerun_slots(idx_t, over, idx2, counts)
+    prov.exact_rerun_slots(idx_t, over, any_over, idx2, counts)
     assert np.array_equal(to_numpy(idx2), to_numpy(ref_idx2))
     assert np.array_equal(to_numpy(counts), to_numpy(ref_counts))
     assert 0 < to_numpy(counts).sum() < (idx >= 0).sum()
 
 
+def _keep_every_key(bound, bexp, over, b):
+    """Batch ``b`` of a first-pass state with its over keys (``over``, bool) turned into keys
+    without contributions (Bound 0, BoundExp at its start value): no key of it re-runs."""
+    bound, bexp = bound.copy(), bexp.copy()
+    bound[b][over[b]] = 0
+    bexp[b][over[b]] = -(2**30)
+    return bound, bexp
+
+
+@pytest.mark.parametrize("over_in", [(), (1,)], ids=["none", "batch1"])
+def test_rerun_slots_skip_a_batch_with_no_rerun_key(fw, rng, over_in):
+    """The plan flags the batches with a re-run key (``any_over``, zeroed by the caller) and
+    the compaction skips the others: their rows get counts 0, their idx2 rows keep the poison
+    (not written), and the flag, not ``over``, decides (a stale over key in a batch whose flag
+    is 0 is not looked up).  The flagged batch's rows are the former framework compaction.  A
+    stand-in (or kernel) that ignored the flag would overwrite the poison."""
+    B, S, S_kv, L, n_max = 2, 9, 200, 48, 10.0
+    bound, bexp, inv, acc = exact_first_pass_state(rng, B, S_kv, n_max)
+    ops0 = ops_for(fw.t(bound))
+    over0 = to_numpy(_framework_plan(ops0, *(fw.t(a) for a in (bound, bexp, inv, acc)),
+                                     n_max)[0])
+    for b in range(B):
+        if b not in over_in:
+            bound, bexp = _keep_every_key(bound, bexp, over0, b)
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=S_kv - 10, empty_rows=(2,))
+    t = [fw.t(a) for a in (bound, bexp, inv, acc)]
+    idx_t = fw.t(idx)
+    ops = ops_for(idx_t)
+    ref_over, _, _ = _framework_plan(ops, *t, n_max)
+    ref_idx2, ref_counts = _framework_slots(ops, ref_over, idx_t)
+    assert [bool(to_numpy(ref_over)[b].any()) for b in range(B)] == [b in over_in
+                                                                      for b in range(B)]
+    prov = CpuStandIn()
+    over = ops.empty((B, S_kv), "int32", idx_t)
+    any_over = ops.zeros((B,), "int32", idx_t)
+    prov.exact_rerun_plan(*t, over, any_over, n_max, EXACT, COARSE)
+    assert to_numpy(any_over).tolist() == [int(b in over_in) for b in range(B)]
+    assert np.array_equal(to_numpy(over).astype(bool), to_numpy(ref_over))
+
+    idx2 = ops.full((B, S, L), POISON, "int32", idx_t)
+    counts = ops.full((B, S), POISON, "int32", idx_t)
+    prov.exact_rerun_slots(idx_t, over, any_over, idx2, counts)
+    got_idx2, got_counts = to_numpy(idx2), to_numpy(counts)
+    assert np.array_equal(got_counts, to_numpy(ref_counts))
+    for b in range(B):
+        if b in over_in:
+            assert np.array_equal(got_idx2[b], to_numpy(ref_idx2)[b])
+            assert 0 < got_counts[b].sum() < (idx[b] >= 0).sum()
+        else:
+            assert (got_counts[b] == 0).all() and (got_idx2[b] == POISON).all()
+
+    # the flag decides: every key of batch 0 marked over, its flag still 0
+    stale = to_numpy(over).copy()
+    stale[0] = 1
+    idx2 = ops.full((B, S, L), POISON, "int32", idx_t)
+    prov.exact_rerun_slots(idx_t, fw.t(stale), any_over, idx2, counts)
+    assert (to_numpy(counts)[0] == 0).all() and (to_numpy(idx2)[0] == POISON).all()
+
+
 # --- through the wrapper --------------------------------------------------------------------------
 class _Capture(CpuStandIn):
     """The stand-in, keeping what the exact passes see: the first pass's grids and the state it
-    leaves, and the re-run's grids, accumulator and slots (numpy copies)."""
+    leaves, the plan's per-batch flag, and the re-run's grids, accumulator and slots (numpy
+    copies)."""
+
+    def exact_rerun_plan(self, *args):
+        super().exact_rerun_plan(*args)
+        self.any_over = to_numpy(args[5]).copy()
 
     def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
                  dq, acc, bound, bound_exp):
@@ -344,9 +418,11 @@ def test_exact_dkv_bookkeeping_is_the_framework_code(fw, margin, monkeypatch):
     got_inv, got_acc, got_idx2, got_counts = prov.rerun_in
     assert np.array_equal(got_inv, to_numpy(ref_inv))
     assert np.array_equal(got_acc, to_numpy(ref_acc))
-    assert np.array_equal(got_idx2, to_numpy(ref_idx2))
     assert np.array_equal(got_counts, to_numpy(ref_counts))
     n_over = int(to_numpy(over).sum())
+    assert prov.any_over.tolist() == [int(n_over > 0)]  # B = 1
+    if n_over:  # else idx2 is left unwritten (counts 0: the re-run reads none of it)
+        assert np.array_equal(got_idx2, to_numpy(ref_idx2))
     if margin in (-40, -20, -10, 12):
         assert n_over > 0  # the forced grids re-run keys
     else:

@@ -449,7 +449,8 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
 class _StandInWithStats(CpuStandIn):
     """:class:`CpuStandIn` with the value checks' kernel (``value_stats``) in numpy, as the
     CUDA provider has it: the numbers and the safe copy of the indices.  ``seen`` records the
-    largest and smallest index each index-reading launcher was handed."""
+    largest and smallest index each index-reading launcher was handed (of the re-run's, the
+    slots it reads: the first ``counts[b, s]`` of each row; the rest may be unwritten)."""
 
     def __init__(self, fw):
         super().__init__()
@@ -467,16 +468,19 @@ class _StandInWithStats(CpuStandIn):
         safe = np.where((idx >= 0) & (idx < s_kv), idx, -1)
         return to_tensor(self.fw, rows, "int32"), to_tensor(self.fw, safe, "int32")
 
-    def _saw(self, idx):
+    def _saw(self, idx, counts=None):
         i = to_numpy(idx)
-        self.seen.append((int(i.min()), int(i.max())))
+        if counts is not None:
+            i = i[np.arange(i.shape[-1]) < to_numpy(counts)[..., None]]
+        if i.size:
+            self.seen.append((int(i.min()), int(i.max())))
 
     def fwd(self, m, q, kv, idx, *rest):
         self._saw(idx)
         return super().fwd(m, q, kv, idx, *rest)
 
     def bwd_main(self, m, mode, with_dq, q, kv, do, idx, *rest):
-        self._saw(idx)
+        self._saw(idx, None if with_dq else rest[4])  # rest[4]: counts
         return super().bwd_main(m, mode, with_dq, q, kv, do, idx, *rest)
 
     def exact_grid_scatter(self, c_row, top, idx, est):

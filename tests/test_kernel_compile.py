@@ -134,18 +134,42 @@ def test_kernel_lowers_for_sm90a(name, args):
         # the exact mode rounds onto the key's grid and proves its bound with int64 adds
         assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact
         assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
+        if not args[4]:
+            # the re-run reads a row's slots only in its ceil(Counts / BK) key blocks, none at
+            # Counts = 0: rerun_slots leaves the rows of batches without a re-run key unwritten
+            bk = args[5]
+            assert re.search(rf"int num_blocks = \(\(Counts\[[^;]*\] \+ {bk - 1}\) >> "
+                             rf"{bk.bit_length() - 1}\);", src)
+            spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
+                                       "for (int k = 0; k < (num_blocks - 1); ++k) {")
+                     for sp in _blocks(src, opener)]
+            sites = [m.start() for m in re.finditer(r"(?<!\w)Indices\[", src)]
+            assert sites and all(any(a < at < b for a, b in spans) for at in sites)
 
 
 def _guarded(src, access, guards, before=600):
-    """Every ``access`` (e.g. ``"Over["``) in ``src`` has each of ``guards`` in the ``before``
-    characters ahead of it (the bounds check of its ``if``)."""
-    sites = [m.start() for m in re.finditer(re.escape(access), src)]
+    """Every ``access`` (e.g. ``"Over["``, not ``"AnyOver["``: the name whole) in ``src`` has
+    each of ``guards`` in the ``before`` characters ahead of it (the bounds check of its
+    ``if``)."""
+    sites = [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(access), src)]
     assert sites, access
     for at in sites:
         window = src[max(0, at - before):at]
         missing = [g for g in guards if g not in window]
         assert not missing, (access, missing, src[max(0, at - before):at + 80])
     return len(sites)
+
+
+def _blocks(src, opener):
+    """``(start, end)`` of every ``opener`` (an ``if (...) {``) in ``src`` to its closing brace."""
+    spans = []
+    for m in re.finditer(re.escape(opener), src):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            i += 1
+        spans.append((m.start(), i))
+    return spans
 
 
 def _signature(src, name):
@@ -198,10 +222,23 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         # over keys' accumulator rows cleared with 16-byte stores, only keys below S_kv
         _guarded(src, "*(float4*)(Acc + ", ["over_s[", "< S_kv)"])
         assert "floor(log2(" in src and "ldexp(u[0]" in src
+        # the per-batch flag: raised (atomic max, order-free) by over keys only
+        assert "int* __restrict__ AnyOver" in sig and "const int* __restrict__ AnyOver" not in sig
+        assert _guarded(src, "AtomicMax((&(AnyOver[", ["coarse_bits) <= t[0])"], before=200) == 1
+        _guarded(src, "AtomicMax((&(AnyOver[", ["< S_kv)"], before=3000)
     else:
         assert "__ballot_sync(0xFFFFFFFFu" in src and "__popc(" in src
         _guarded(src, "Over[", ["(0 <= slot[", "< S_kv)"])
         assert "Idx2[" in src and "Counts[" in src
+        # a batch without a re-run key (flag 0) reads no index or key flag and writes no slot:
+        # the flag is loaded once, and every such access is inside an if on it
+        assert "const int* __restrict__ AnyOver" in sig and src.count("AnyOver[") == 1
+        spans = _blocks(src, "if (any_over[0] != 0) {")
+        assert spans
+        for access in ("Indices[", "Over[", "Idx2["):
+            sites = [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(access), src)]
+            assert sites and all(any(a < at < b for a, b in spans) for at in sites), access
+        assert not any(a < src.index("Counts[") < b for a, b in spans)  # written by every row
 
 
 @pytest.mark.parametrize("name, args", [MAIN64, RERUN64], ids=["main64_exact", "rerun64_exact"])

@@ -167,16 +167,26 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).exact_grid_keys(
                 est, top, *v, shift, e_lo, e_hi), [("inv_grid", inv_grid, True)], whole=True)
 
-        def exact_rerun_plan(self, bound, bound_exp, inv_grid, acc, over, n_max, exact_bits,
-                             coarse_bits):
+        def exact_rerun_plan(self, bound, bound_exp, inv_grid, acc, over, any_over, n_max,
+                             exact_bits, coarse_bits):
+            # any_over is raised from the caller's zeros: not poisoned
             self._run(lambda v: super(GuardedKernels, self).exact_rerun_plan(
                 bound, bound_exp, *v, n_max, exact_bits, coarse_bits),
-                [("inv_grid", inv_grid, False), ("dkv_acc", acc, False), ("over", over, True)],
+                [("inv_grid", inv_grid, False), ("dkv_acc", acc, False), ("over", over, True),
+                 ("any_over", any_over, False)],
                 whole=True)
 
-        def exact_rerun_slots(self, idx, over, idx2, counts):
-            self._run(lambda v: super(GuardedKernels, self).exact_rerun_slots(idx, over, *v),
-                      [("idx2", idx2, True), ("counts", counts, True)], whole=True)
+        def exact_rerun_slots(self, idx, over, any_over, idx2, counts):
+            # counts is written whole, idx2 only in the batches with a re-run key: the other
+            # batches' rows keep the poison (an index far past S_kv), which the re-run then
+            # must not read
+            self._run(lambda v: super(GuardedKernels, self).exact_rerun_slots(
+                idx, over, any_over, *v), [("idx2", idx2, True), ("counts", counts, True)])
+            assert _unwritten(counts) == 0, f"counts: {_unwritten(counts)} elements not written"
+            for b, flag in enumerate(any_over.tolist()):
+                left = _unwritten(idx2[b])
+                assert left == (0 if flag else idx2[b].numel()), (
+                    f"idx2[{b}] (any_over {flag}): {left} elements not written")
 
 
 def _inputs(case, seed):
@@ -503,8 +513,10 @@ def test_exact_grid_kernels_match_the_stand_in(case):
     bitwise repeatable; from the same
     row weights the int64 estimates and the grids (margins 2, -40, +12) exactly; the re-run
     plan (every branch: ``helpers.exact_first_pass_state``) exactly (over, the scaled grids,
-    the cleared accumulator rows); the slot compaction exactly (the same slots per row, in the
-    same order) for the plan's over and for none, all and a third of the keys."""
+    the cleared accumulator rows, the per-batch flag; with B > 1 batch 0 has no re-run key);
+    the slot compaction exactly (the same slots per row, in the same order) for the plan's over
+    and flag, for none, all and a third of the keys with every batch flagged, and with no batch
+    flagged (nothing looked up: counts 0, idx2 unwritten)."""
     rng = np.random.default_rng(zlib.crc32(case["id"].encode()))
     B, S, S_kv, H, L = case["B"], case["S"], case["S_kv"], case["H"], case["L"]
 
@@ -566,27 +578,44 @@ def test_exact_grid_kernels_match_the_stand_in(case):
 
     n_max = float(S * 2)
     state = exact_first_pass_state(rng, B, S_kv, n_max)
+    if B > 1:  # batch 0 without a re-run key: its over keys made keys without contributions
+        probe = [torch.from_numpy(a).cuda() for a in state]
+        over0 = torch.zeros((B, S_kv), dtype=torch.int32, device="cuda")
+        ref.exact_rerun_plan(*probe, over0, torch.zeros_like(over0[:, 0]), n_max,
+                             interface.EXACT_BITS, interface.RERUN_COARSE_BITS)
+        gone = over0[0].cpu().numpy() != 0
+        state[0][0][gone], state[1][0][gone] = 0, -(2**30)
     got = [torch.from_numpy(a).cuda() for a in state]
     want = [torch.from_numpy(a).cuda() for a in state]
     over, over_ref = (torch.empty((B, S_kv), dtype=torch.int32, device="cuda") for _ in range(2))
+    any_over, any_ref = (torch.zeros((B,), dtype=torch.int32, device="cuda") for _ in range(2))
     bits = (interface.EXACT_BITS, interface.RERUN_COARSE_BITS)
-    prov.exact_rerun_plan(*got, over, n_max, *bits)
-    ref.exact_rerun_plan(*want, over_ref, n_max, *bits)
+    prov.exact_rerun_plan(*got, over, any_over, n_max, *bits)
+    ref.exact_rerun_plan(*want, over_ref, any_ref, n_max, *bits)
     assert torch.equal(over, over_ref)
+    assert torch.equal(any_over, any_ref)
+    assert any_over.tolist() == [int(B == 1)] + [1] * (B - 1)
     assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
     assert 0 < int(over.sum()) < over.numel()
 
-    for name, o in (("plan", over), ("none", torch.zeros_like(over)),
-                    ("all", torch.ones_like(over)),
-                    ("third", (torch.rand(over.shape, device="cuda") < 0.3).int())):
-        idx2, idx2_ref = (torch.empty_like(idx) for _ in range(2))
+    # the flag as the plan gives it, and all batches on with none, all and a third of the keys
+    # (GuardedKernels checks that idx2 is written exactly in the flagged batches)
+    ones = torch.ones_like(any_over)
+    for name, o, flag in (("plan", over, any_over), ("none", torch.zeros_like(over), ones),
+                          ("all", torch.ones_like(over), ones),
+                          ("third", (torch.rand(over.shape, device="cuda") < 0.3).int(), ones),
+                          ("flag off", torch.ones_like(over), torch.zeros_like(any_over))):
+        idx2, idx2_ref = (torch.full_like(idx, 12345) for _ in range(2))
         counts, counts_ref = (torch.empty((B, S), dtype=torch.int32, device="cuda")
                               for _ in range(2))
-        prov.exact_rerun_slots(idx, o, idx2, counts)
-        ref.exact_rerun_slots(idx, o, idx2_ref, counts_ref)
+        prov.exact_rerun_slots(idx, o, flag, idx2, counts)
+        ref.exact_rerun_slots(idx, o, flag, idx2_ref, counts_ref)
         assert torch.equal(counts, counts_ref), name
-        assert torch.equal(idx2.sort(-1).values, idx2_ref.sort(-1).values), name  # as sets
-        assert torch.equal(idx2, idx2_ref), f"{name}: the re-run slots' order differs"
+        on = flag != 0  # the other batches' idx2: left unwritten by both (the guard checked)
+        assert bool((idx2_ref[~on] == 12345).all()), name
+        got, want = idx2[on], idx2_ref[on]
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values), name  # as sets
+        assert torch.equal(got, want), f"{name}: the re-run slots' order differs"
 
 
 @pytest.mark.parametrize("with_do2", [False, True], ids=["plain", "do2"])

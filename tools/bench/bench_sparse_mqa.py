@@ -248,8 +248,9 @@ class StageClock:
     and the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark
     on each side of every launch; the exact dKV's grid kernels count as one stage ("grid"), its
     re-run plan and slot compaction as another ("re-run plan").  It keeps what the deterministic backward
-    hands its exact dKV passes: the first pass's per-key bound and the re-run pass's indices
-    (its keys' slots, ``-1`` elsewhere)."""
+    hands its exact dKV passes: the first pass's per-key bound and the re-run pass's slots (the
+    first ``counts[b, s]`` of each row of its indices; the rest of a row is ``-1`` or, in a
+    batch with no re-run key, unwritten)."""
 
     def __init__(self, clock, inner):
         self.clock, self.inner, self.device = clock, inner, inner.device
@@ -274,7 +275,8 @@ class StageClock:
         if mode == "exact" and with_dq:
             self.bound = bound.clone()  # the re-run adds to it
         elif mode == "exact":
-            self.rerun_idx = indices
+            # its slots: the first counts[b, s] of each row (the rest may be unwritten)
+            self.rerun_idx = (indices, counts)
 
     def exact_grid_rows(self, *args):
         self._launch("grid", self.inner.exact_grid_rows, *args)
@@ -319,7 +321,8 @@ def stage_report(torch, clock, fn, inputs, reps, inner) -> dict:
     if rec.bound is not None:
         used = rec.bound[rec.bound > 0].double()
         room = torch.log2(2.0 ** EXACT_BITS / used).cpu().numpy()
-        rerun = rec.rerun_idx[rec.rerun_idx >= 0]
+        idx2, counts = rec.rerun_idx
+        rerun = idx2[torch.arange(idx2.shape[-1], device=idx2.device) < counts[..., None]]
         rep["exact"] = {"keys": used.numel(), "keys_rerun": torch.unique(rerun).numel(),
                         "slots_rerun": rerun.numel(),
                         "headroom_bits": np.quantile(room, [0, 0.01, 0.5, 0.99, 1]).tolist()}

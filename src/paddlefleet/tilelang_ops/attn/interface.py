@@ -63,15 +63,20 @@ class TileLangKernels:
     ``exact_grid_keys``, ``exact_rerun_plan`` and ``exact_rerun_slots``
     (``kernels/exact_grid.py``).  Each fills its output arguments in place; the static
     arguments come first (head tile, mode, ``natural``, ``Dv``), then the tensors in the
-    kernel's order, then its scalar arguments.  ``bwd_preprocess`` takes an optional last
-    output ``do2`` (``[B S, H_pad] fp64``, each (row, head)'s ``|dO|^2``; 0 at pad heads): the
-    deterministic backward passes it and hands it to ``exact_grid_rows(d_v, q, do2, ...)``,
-    which reads it in place of ``dO``; the atomic backward passes none (its kernel is the one
-    without that output).  The column order of the fp32 dKV accumulator between ``bwd_main``
-    and ``bwd_finish`` is the provider's own (these kernels permute the 64-head tiles',
-    ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the real order.  Compiled
-    kernels are cached by TileLang per static specialisation (head tile, Dk, Dv, dKV mode, dQ
-    on/off, the preprocess's lse format and ``do2``); shapes are dynamic.
+    kernel's order, then its scalar arguments.  ``exact_rerun_plan(bound, bound_exp, inv_grid,
+    dkv_acc, over, any_over, ...)`` also sets ``any_over [B] int32`` (zeroed by the caller) to
+    1 for each batch with a re-run key; ``exact_rerun_slots(indices, over, any_over, indices2,
+    counts)`` writes ``counts = 0`` and leaves ``indices2`` unwritten in the rows of the other
+    batches (the re-run reads no slot of a row with ``counts = 0``).  ``bwd_preprocess``
+    takes an optional last output ``do2`` (``[B S, H_pad] fp64``, each (row, head)'s
+    ``|dO|^2``; 0 at pad heads): the deterministic backward passes it and hands it to
+    ``exact_grid_rows(d_v, q, do2, ...)``, which reads it in place of ``dO``; the atomic
+    backward passes none (its kernel is the one without that output).  The column order of
+    the fp32 dKV accumulator between ``bwd_main`` and ``bwd_finish`` is the provider's own
+    (these kernels permute the 64-head tiles', ``tiling.dkv_column``); ``bwd_finish`` writes
+    the bf16 dKV in the real order.  Compiled kernels are cached by TileLang per static
+    specialisation (head tile, Dk, Dv, dKV mode, dQ on/off, the preprocess's lse format and
+    ``do2``); shapes are dynamic.
     """
 
     device = "cuda"
@@ -160,14 +165,14 @@ class TileLangKernels:
     def exact_grid_keys(self, est, top, inv_grid, shift, e_lo, e_hi):
         self._kernel(("grid_keys",))(est, top, inv_grid, int(shift), int(e_lo), int(e_hi))
 
-    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, n_max, exact_bits,
-                         coarse_bits):
+    def exact_rerun_plan(self, bound, bound_exp, inv_grid, dkv_acc, over, any_over, n_max,
+                         exact_bits, coarse_bits):
         self._kernel(("rerun_plan", int(dkv_acc.shape[-1])))(
-            bound, bound_exp, inv_grid, dkv_acc, over, float(n_max), int(exact_bits),
+            bound, bound_exp, inv_grid, dkv_acc, over, any_over, float(n_max), int(exact_bits),
             int(coarse_bits))
 
-    def exact_rerun_slots(self, indices, over, indices2, counts):
-        self._kernel(("rerun_slots",))(indices, over, indices2, counts)
+    def exact_rerun_slots(self, indices, over, any_over, indices2, counts):
+        self._kernel(("rerun_slots",))(indices, over, any_over, indices2, counts)
 
 
 _DEFAULT_PROVIDER = TileLangKernels()
@@ -320,9 +325,11 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     are cleared and re-run (``with_dq=False``, on their slots only, moved to the front of each
     row) on the grid of the largest such ``t``: kernel ``rerun_plan`` decides per key (fp64,
     ``t`` from ``floor(log2)`` checked with an exact ``ldexp``) and clears the re-run keys'
-    accumulator rows, ``rerun_slots`` compacts each row's slots.  Everything stays on the
-    device, no host sync, no data-dependent shape; a re-run with no keys costs one near-empty
-    launch.  ``docs/conventions.md`` has the proof.
+    accumulator rows and flags each batch that has any (``any_over``), ``rerun_slots``
+    compacts each row's slots (only in flagged batches: the rows of the others get ``counts =
+    0`` and read nothing).  Everything stays on the device, no host sync, no data-dependent
+    shape; a re-run with no keys costs near-empty launches.  ``docs/conventions.md`` has the
+    proof.
     """
     b, s, l = ops.shape(idx)
     s_kv, d_k = ops.shape(kv)[1], ops.shape(kv)[2]
@@ -340,14 +347,17 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
                       inv_grid, counts, dq, acc, bound, bound_exp)
 
-    # per key: re-run or not (over), the re-run grid (inv_grid *= 2^t), its accumulator cleared
+    # per key: re-run or not (over), the re-run grid (inv_grid *= 2^t), its accumulator cleared;
+    # per batch: any key re-run (any_over: the plan only ever raises it, so it starts at 0)
     over = ops.empty((b, s_kv), "int32", q)
-    provider.exact_rerun_plan(bound, bound_exp, inv_grid, acc, over, float(s * plan.num_groups),
-                              EXACT_BITS, RERUN_COARSE_BITS)
-    # the re-run keys' slots first in each row (stable), -1 after them
+    any_over = ops.zeros((b,), "int32", q)
+    provider.exact_rerun_plan(bound, bound_exp, inv_grid, acc, over, any_over,
+                              float(s * plan.num_groups), EXACT_BITS, RERUN_COARSE_BITS)
+    # the re-run keys' slots first in each row (stable), -1 after them; a batch with no re-run
+    # key: counts = 0 and idx2 left unwritten (the re-run reads no slot of such a row)
     idx2 = ops.empty((b, s, l), "int32", idx)
     counts = ops.empty((b, s), "int32", idx)
-    provider.exact_rerun_slots(idx, over, idx2, counts)
+    provider.exact_rerun_slots(idx, over, any_over, idx2, counts)
     provider.bwd_main(plan.heads_per_cta, "exact", False, q, kv, do, idx2, lse2, delta, scale,
                       inv_grid, counts, dq, acc, bound, bound_exp)
     return acc, inv_grid
@@ -453,9 +463,10 @@ def mqa_latent_sparse_bwd(
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and
             processes: each key's dKV is summed exactly on a power-of-two grid of its own
             (:func:`_exact_dkv`; the precision is stated in ``docs/conventions.md``), with the
-            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16 + 8*H_pad)`` bytes
-            of scratch (``L`` padded; ``8*H_pad``: the rows' fp64 ``|dO|^2``).  ``False``:
-            plain fp32 atomics for dKV (last-bit differences between calls).
+            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16 + 8*H_pad) + 4*B``
+            bytes of scratch (``L`` padded; ``8*H_pad``: the rows' fp64 ``|dO|^2``; ``4*B``:
+            the re-run's per-batch flag).  ``False``: plain fp32 atomics for dKV (last-bit
+            differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
 

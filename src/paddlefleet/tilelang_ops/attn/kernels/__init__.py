@@ -12,8 +12,8 @@
   undone, the exact mode's grids applied).
 * around the exact dKV passes (``deterministic=True``), ``exact_grid``: the first pass's
   per-key grids (``grid_rows`` -> ``grid_scatter`` -> ``grid_keys``) and, after it, which keys
-  re-run (``rerun_plan``) and their slots (``rerun_slots``): small kernels in place of ~40
-  framework ops.
+  re-run (``rerun_plan``, with a flag per batch that has any) and their slots (``rerun_slots``,
+  which skips the unflagged batches): small kernels in place of ~40 framework ops.
 * ``async_copy``: the 16-byte ``cp.async`` macros (query tile, key-block gather) that both
   warp-specialised kernels share.
 

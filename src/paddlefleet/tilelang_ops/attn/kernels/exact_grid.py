@@ -21,9 +21,12 @@ launch order:
                   ``[e_lo, e_hi]``, ``InvGrid = 2^-e`` (fp32, exact).
 ``rerun_plan``    after the first pass, one thread per key: from ``Bound``, ``BoundExp`` and
                   ``InvGrid``, whether the key re-runs (``Over``) and on which grid (``InvGrid``
-                  scaled by ``2^t``), and its dKV accumulator row cleared if so.
+                  scaled by ``2^t``), and its dKV accumulator row cleared if so; ``AnyOver[b]``
+                  set when any key of batch ``b`` re-runs.
 ``rerun_slots``   one CTA per query row: the slots whose key re-runs moved to the front of the
-                  row in their order (``Idx2``), ``-1`` after them, and how many (``Counts``).
+                  row in their order (``Idx2``), ``-1`` after them, and how many (``Counts``);
+                  a row of a batch with no re-run key (``AnyOver[b] = 0``, almost every call)
+                  only writes ``Counts = 0``.
 
 The formulas are those of the framework code they replace (``_exact_dkv``'s docstring, the
 proof in ``docs/conventions.md``); ``tests/helpers.py::CpuStandIn`` has each one in numpy and
@@ -260,7 +263,10 @@ def rerun_plan(d_qk: int, block_keys: int = 64, threads: int = 256):
     * ``t`` the largest integer with ``2^t U <= room = 2^exact_bits - n_max`` (``floor(log2(room
       / U))``, less one where ``ldexp(U, t) > room``: whatever log2 rounded to);
     * ``Over = Bound > 0 and (Bound > 2^exact_bits or t >= coarse_bits)`` (int32 0/1);
-    * for an over key ``InvGrid *= 2^t`` and its row of ``Acc [B, S_kv, Dk]`` is zeroed.
+    * for an over key ``InvGrid *= 2^t`` and its row of ``Acc [B, S_kv, Dk]`` is zeroed;
+    * ``AnyOver [B] int32`` (zeroed by the caller) becomes 1 where batch ``b`` has an over key
+      (an atomic max from each over key's thread: the value does not depend on their order),
+      so that :func:`rerun_slots` can skip the batches with none.
 
     ``n_max = S G`` (fp64), ``exact_bits``, ``coarse_bits`` are scalar arguments.  A CTA takes
     ``block_keys`` keys: one thread each decides, then the CTA clears the over keys' rows with
@@ -277,6 +283,7 @@ def rerun_plan(d_qk: int, block_keys: int = 64, threads: int = 256):
         InvGrid: T.Tensor([B, S_kv], "float32"),
         Acc: T.Tensor([B, S_kv, d_qk], "float32"),
         Over: T.Tensor([B, S_kv], "int32"),
+        AnyOver: T.Tensor([B], "int32"),
         n_max: T.float64,
         exact_bits: T.int32,
         coarse_bits: T.int32,
@@ -306,6 +313,7 @@ def rerun_plan(d_qk: int, block_keys: int = 64, threads: int = 256):
                         if (bound[0] > T.ldexp(T.float64(1), exact_bits)
                                 or t[0] >= T.Cast("float64", coarse_bits)):
                             over[0] = 1
+                            T.atomic_max(AnyOver[b_i], 1)  # rare: over keys are few
                             InvGrid[b_i, j0 + tx] = T.Cast("float32", T.ldexp(
                                 T.Cast("float64", InvGrid[b_i, j0 + tx]), T.Cast("int32", t[0])))
                     Over[b_i, j0 + tx] = over[0]
@@ -325,7 +333,18 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
     of ``rounds * threads`` slots: every thread loads its ``rounds`` slots and their keys'
     flags first (independent loads), then per round a warp ballot gives each flagged slot its
     place among its warp's, shared memory the warps' counts.  Every slot of ``Idx2`` is written
-    exactly once."""
+    exactly once.
+
+    ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
+    (``AnyOver[b] = 0``) reads neither ``Indices`` nor ``Over``, writes ``Counts = 0`` and
+    leaves its ``Idx2`` row as it was (unwritten): almost every call re-runs no key, and the
+    compaction reads every index (run 44: 0.054 ms at S = S_kv = 8192, topk 640).  Nothing
+    reads such a row: the re-run (``sparse_bwd.main`` with ``with_dq=False``) loads a row's
+    ``Idx2`` only in its first ``ceil(Counts / BK)`` key blocks, none at ``Counts = 0``, and a
+    row with ``Counts > 0`` belongs to a flagged batch, whose rows are written whole (the
+    ``-1`` tail covers the last block's slots past ``Counts``).  The flag is per batch and a
+    CTA owns one row of one batch: the whole CTA takes the same branch (its barriers stay
+    whole)."""
     assert threads % WARP == 0
     NW = threads // WARP
     R = rounds
@@ -339,6 +358,7 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
     def exact_rerun_slots(
         Indices: T.Tensor([B, S, L], "int32"),
         Over: T.Tensor([B, S_kv], "int32"),
+        AnyOver: T.Tensor([B], "int32"),
         Idx2: T.Tensor([B, S, L], "int32"),
         Counts: T.Tensor([B, S], "int32"),
     ):
@@ -349,41 +369,44 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
             mask = T.alloc_local([R], "uint32")
             base = T.alloc_local([1], "int32")  # flagged slots in the passes before: all threads
             pos = T.alloc_local([1], "int32")
+            any_over = T.alloc_local([1], "int32")
             tx = T.get_thread_binding()
             lane = tx % WARP
             warp = tx // WARP
 
             base[0] = 0
-            for ps in T.serial(T.ceildiv(L, PASS)):
-                for r in T.unroll(R):
-                    slot[r] = -1
-                    if ps * PASS + r * threads + tx < L:
-                        slot[r] = Indices[b_i, s_i, ps * PASS + r * threads + tx]
-                for r in T.unroll(R):
-                    flag[r] = 0
-                    if slot[r] >= 0 and slot[r] < S_kv:
-                        flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
-                for r in T.unroll(R):
-                    mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
-                    if lane == 0:
-                        counts_s[r, warp] = T.Cast("int32", T.popcount(mask[r]))
-                T.sync_threads()
-                for r in T.unroll(R):
-                    # flagged slots before this one: earlier rounds, earlier warps, lower lanes
-                    pos[0] = base[0]
-                    for k in T.unroll(NW):
-                        if k < warp:
-                            pos[0] = pos[0] + counts_s[r, k]
-                    if flag[r] != 0:
-                        pos[0] = pos[0] + T.Cast("int32", T.popcount(
-                            mask[r] & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
-                        Idx2[b_i, s_i, pos[0]] = slot[r]
-                    for k in T.unroll(NW):
-                        base[0] = base[0] + counts_s[r, k]
-                T.sync_threads()  # counts_s is rewritten by the next pass
-            for i in T.serial(T.ceildiv(L, threads)):
-                if i * threads + tx >= base[0] and i * threads + tx < L:
-                    Idx2[b_i, s_i, i * threads + tx] = -1
+            any_over[0] = AnyOver[b_i]  # loaded once: the body below may be split in two ifs
+            if any_over[0] != 0:  # the same for the whole CTA: one batch
+                for ps in T.serial(T.ceildiv(L, PASS)):
+                    for r in T.unroll(R):
+                        slot[r] = -1
+                        if ps * PASS + r * threads + tx < L:
+                            slot[r] = Indices[b_i, s_i, ps * PASS + r * threads + tx]
+                    for r in T.unroll(R):
+                        flag[r] = 0
+                        if slot[r] >= 0 and slot[r] < S_kv:
+                            flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
+                    for r in T.unroll(R):
+                        mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
+                        if lane == 0:
+                            counts_s[r, warp] = T.Cast("int32", T.popcount(mask[r]))
+                    T.sync_threads()
+                    for r in T.unroll(R):
+                        # flagged slots before this one: earlier rounds, earlier warps, lower lanes
+                        pos[0] = base[0]
+                        for k in T.unroll(NW):
+                            if k < warp:
+                                pos[0] = pos[0] + counts_s[r, k]
+                        if flag[r] != 0:
+                            pos[0] = pos[0] + T.Cast("int32", T.popcount(
+                                mask[r] & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                            Idx2[b_i, s_i, pos[0]] = slot[r]
+                        for k in T.unroll(NW):
+                            base[0] = base[0] + counts_s[r, k]
+                    T.sync_threads()  # counts_s is rewritten by the next pass
+                for i in T.serial(T.ceildiv(L, threads)):
+                    if i * threads + tx >= base[0] and i * threads + tx < L:
+                        Idx2[b_i, s_i, i * threads + tx] = -1
             if tx == 0:
                 Counts[b_i, s_i] = base[0]
 

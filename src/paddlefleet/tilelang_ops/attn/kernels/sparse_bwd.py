@@ -319,7 +319,10 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
     ``with_dq=False`` (the exact mode's re-run) skips dQ's GEMMs and store and walks only the
     first ``Counts[b, s]`` slots of each row (the host moves the re-run keys' slots to the front;
-    a row with ``Counts = 0`` does nothing).
+    a row with ``Counts = 0`` does nothing).  It reads ``Indices`` in whole key blocks, the first
+    ``ceil(Counts / BK)`` of a row and none at ``Counts = 0``: ``exact_grid.rerun_slots`` writes
+    ``-1`` past ``Counts`` in the rows it compacts and leaves the rows of batches without a
+    re-run key (``Counts = 0``) unwritten.
 
     Schedule knobs (static; defaults measured on H200 at B=1 S=4096 S_kv=8192 H=64 topk=2048,
     docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async) right
