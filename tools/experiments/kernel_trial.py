@@ -40,6 +40,10 @@ SHAPES = dict(model.SHAPES, **{s.name: s for s in (
     model.Shape("wave_ref", 1, 132, 8192, 64, 2048),  # one CTA per SM: the per-CTA time
     model.Shape("wave_fleet", 1, 132, 8192, 64, 640),
     model.Shape("h32", 1, 4096, 8192, 32, 2048),
+    # 4092 = 31 x 132 rows: ref without its last wave of 4 CTAs (what that wave costs)
+    model.Shape("ref31w", 1, 4092, 8192, 64, 2048),
+    # causal training rows (S = S_kv): the first topk rows see fewer keys
+    model.Shape("causal8k", 1, 8192, 8192, 64, 2048),
 )})
 
 
