@@ -96,6 +96,29 @@ def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, 
     add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
 
 
+@T.macro
+def sink_lse2(lse, sink2, natural):
+    """The base-2, sink-inclusive, finite lse the main kernels take (``Lse2``), from one row's
+    ``lse`` (fp32) and its sink in base 2, ``sink2 = sink log2 e`` (``-inf``: no sink): with
+    ``natural`` (a natural-log, sink-exclusive ``lse``) ``log2(2^(lse log2 e) + 2^sink2)``, else
+    ``lse`` as given; ``-inf`` (no key and no sink: every ``P`` is 0) becomes 0 and a NaN stays
+    NaN (``docs/conventions.md``, the bridge).  Shared by :func:`preprocess` and the fused
+    prologue of :func:`_two_warpgroups`."""
+    ninf = -T.infinity("float32")
+    lse2 = lse
+    if natural:
+        a = lse * LOG2E
+        hi = T.max(a, sink2)
+        # an infinite larger term is the result (also -inf for both, not -inf - -inf); max()
+        # drops a NaN, so a NaN lse is passed on as is (T.isnan: the simplifier folds x != x
+        # to false)
+        lse2 = T.if_then_else(
+            T.isnan(lse), lse,
+            T.if_then_else(hi == ninf or hi == -ninf, hi,
+                           hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
+    return T.if_then_else(lse2 == ninf, 0.0, lse2)
+
+
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int = 32,
                block_d: int = 128, threads: int = 128):
@@ -135,7 +158,6 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
     H = T.dynamic("H")
     H_pad = T.dynamic("H_pad")
     BR = block_rows
-    ninf = -T.infinity("float32")
 
     # with_do2: thread tx squares the 16-byte vector tx % TPR of rows i RPP + tx / TPR of each
     # column block: the elements TileLang gives it in acc (the layout both builds lower to)
@@ -182,20 +204,8 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
             if n < N:
                 row = n // H
                 h = n % H
-                lse = Lse[n]
                 sink2 = Sink[h] * LOG2E
-                lse2 = lse
-                if natural:
-                    a = lse * LOG2E
-                    hi = T.max(a, sink2)
-                    # an infinite larger term is the result (also -inf for both, not
-                    # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
-                    # (T.isnan: the simplifier folds x != x to false)
-                    lse2 = T.if_then_else(
-                        T.isnan(lse), lse,
-                        T.if_then_else(hi == ninf or hi == -ninf, hi,
-                                       hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
-                lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
+                lse2 = sink_lse2(Lse[n], sink2, natural)
                 Delta[row, h] = total[r]
                 Lse2[row, h] = lse2
                 DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
