@@ -43,7 +43,7 @@ def builders() -> dict:
 
 #: ``sparse_bwd.main``'s schedule knobs between the key block and ``fused`` (threads ...
 #: w1_right), all at the kernel's defaults (``None``, and ``overlap=False``)
-_MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, False, None)
+MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, False, None)
 
 
 def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V,
@@ -55,7 +55,7 @@ def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_
     from ..tiling import bwd_key_block
 
     args = (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
-    return (args + _MAIN_KNOB_DEFAULTS + (True, bool(natural))) if fused else args
+    return (args + MAIN_KNOB_DEFAULTS + (True, bool(natural))) if fused else args
 
 
 def pre_args(natural: bool, with_do2: bool, d_v: int = D_V):
