@@ -3,7 +3,8 @@
 Run in this order by ``attn/interface.py``:
 
 ``preprocess``   ``Delta[n] = sum_d O[n, d] * dO[n, d]`` (fp32) over the flattened rows
-                 ``n = (b, s, h)`` of the real heads.
+                 ``n = (b, s, h)`` of the real heads (the atomic backward of 64-head tiles
+                 does this in ``main``'s prologue instead: :func:`_two_warpgroups`, ``fused``).
 ``main``         one CTA per (query row ``s``, batch ``b``, head group ``g``) walks the row's top-k
                  slots in key blocks of ``BK``; per block it gathers the latent rows through
                  clamped indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2``
@@ -27,7 +28,8 @@ re-run follows too.
 ``finish``       the fp32 dKV accumulator to bf16: the permuted columns back in order, the exact
                  mode's grids applied (``dKV = acc / InvGrid``, exact: powers of two).
 
-Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
+Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off, fused
+preprocess (and its lse format).  Dynamic:
 ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
 value in the one-element tensor ``Scale``.  All kernels compile with ``settings.PASS_CONFIGS``.
 """
@@ -625,11 +627,13 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     (``p = t % 4``): its 16-byte loads of ``O`` (0 at pad heads) are issued before the wait for
     the query tile, so that they fly with its ``cp.async``; after it, the products with ``dO``
     in fp32, added in a fixed order, then a butterfly over the row's four lanes.  Lane 0 of
-    each row applies :func:`sink_lse2`, writes the three rows' values to global memory (0 at
-    pad heads, as the preprocess) and ``Lse2`` / ``Delta`` to shared memory, where warpgroup 0
-    reads them after a CTA barrier.  Deterministic (no atomics); ``Delta`` is summed in another
-    order than the preprocess's, so the results differ from the unfused kernel's at fp32
-    rounding only.
+    each row applies :func:`sink_lse2`, writes the row's three values to global memory (0 at
+    pad heads, as the preprocess) and ``Lse2`` / ``Delta`` to shared memory (``rows_s``, 512
+    bytes), where warpgroup 0 reads them after a CTA barrier.  Deterministic (no atomics);
+    ``Delta`` is summed in another order than the preprocess's, so the results differ from the
+    unfused kernel's at fp32 rounding only.  ptxas (CUDA 13.0) then spills ~180 bytes in
+    warpgroup 0's key loop (8 unfused), also when only ``Lse2`` / ``Delta`` come from shared
+    memory instead of the read-only global inputs: to be weighed against the launch it saves.
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
