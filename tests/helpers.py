@@ -239,9 +239,14 @@ class CpuStandIn:
     largest bound a re-run key reached in that call alone.  The ``exact_*`` launchers are the
     formulas of ``kernels/exact_grid.py`` in fp64 numpy (sums in numpy's order: ``grid_rows``
     agrees with the kernel to rounding, the others exactly).  ``calls`` lists every launch.
+    Like the CUDA provider it lists the 64-head tile in ``fused_preprocess_tiles``: its
+    ``bwd_main`` then takes ``pre`` (``interface.FusedPreprocess``) and computes the
+    preprocess's outputs itself (the same code as ``bwd_preprocess``), checking the shapes the
+    fused kernel takes; the call is logged with ``("pre", natural)`` appended.
     """
 
     device = "cpu"
+    fused_preprocess_tiles = (64,)
 
     def __init__(self):
         self.calls = []
@@ -267,41 +272,69 @@ class CpuStandIn:
         _write(out, o_all)
         _write(lse, l_all)
 
-    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows, do2=None):
-        # out, do [R H, Dv]; lse [R H]; sink [H] (-inf: none); outputs [R, H_pad], 0 at pad
-        # heads.  The bridge in fp64 (the kernel's in fp32, the same formula); do2 (optional,
-        # fp64): |dO|^2 per (row, head), the squares of the bf16 values exact in fp64
-        self.calls.append(("pre", bool(natural), do2 is not None))
-        SINK = to_numpy(sink).astype(np.float64)
+    @staticmethod
+    def _preprocess(natural, out, do, lse, sink, h_pad):
+        # numpy out, do [..., H, Dv] (bf16 values); lse [..., H]; sink [H] (-inf: none) ->
+        # (Delta, Lse2, DSink, |dO|^2) [R, h_pad] fp64 (R rows, every leading axis), 0 at pad
+        # heads.  The bridge in fp64 (the kernels' in fp32, the same formula); |dO|^2: the
+        # squares of the bf16 values, exact
+        SINK = sink.astype(np.float64)
         H = SINK.shape[0]
-        R = to_numpy(delta).shape[0]
-        O = to_numpy(out).astype(np.float64).reshape(R, H, -1)
-        DO = to_numpy(do).astype(np.float64).reshape(R, H, -1)
-        LSE = to_numpy(lse).astype(np.float64).reshape(R, H)
-        DEL = np.zeros(to_numpy(delta).shape)
-        L2, DS = np.zeros(DEL.shape), np.zeros(DEL.shape)
+        O = out.astype(np.float64).reshape(-1, H, out.shape[-1])
+        R = O.shape[0]
+        DO = do.astype(np.float64).reshape(R, H, -1)
+        LSE = lse.astype(np.float64).reshape(R, H)
+        DEL, L2, DS, SQ = (np.zeros((R, h_pad)) for _ in range(4))
         DEL[:, :H] = (O * DO).sum(-1)
         with np.errstate(invalid="ignore", over="ignore"):
             l2 = np.logaddexp(LSE, SINK) * LOG2E if natural else LSE
             L2[:, :H] = np.where(l2 == -np.inf, 0.0, l2)
             DS[:, :H] = -np.exp2(SINK * LOG2E - L2[:, :H]) * DEL[:, :H]
+        SQ[:, :H] = (DO * DO).sum(-1)
+        return DEL, L2, DS, SQ
+
+    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows, do2=None):
+        # outputs [R, H_pad]; do2 (optional, fp64): |dO|^2 per (row, head)
+        self.calls.append(("pre", bool(natural), do2 is not None))
+        DEL, L2, DS, SQ = self._preprocess(natural, *map(to_numpy, (out, do, lse, sink)),
+                                           to_numpy(delta).shape[1])
         _write(delta, DEL)
         _write(lse2, L2)
         _write(d_sink_rows, DS)
         if do2 is not None:
-            SQ = np.zeros(DEL.shape)
-            SQ[:, :H] = (DO * DO).sum(-1)
             _write(do2, SQ)
 
+    def _fused_preprocess(self, m, mode, with_dq, do, lse2, delta, pre):
+        # the fused kernel's prologue (sparse_bwd._two_warpgroups, fused): its argument shapes
+        # checked, lse2 / delta / pre.d_sink_rows written from pre.out, dO's real heads, pre.lse
+        # and pre.sink
+        B, S, h_pad, d_v = to_numpy(do).shape
+        H = ops_for(pre.sink).shape(pre.sink)[0]
+        shapes = {"out": (B, S, H, d_v), "lse": (B, S, H), "sink": (H,),
+                  "d_sink_rows": (B, S, h_pad)}
+        for name, want in shapes.items():
+            t = getattr(pre, name)
+            assert tuple(ops_for(t).shape(t)) == want, (name, ops_for(t).shape(t), want)
+        assert m in self.fused_preprocess_tiles and with_dq and H <= h_pad, (m, with_dq, H)
+        assert tuple(to_numpy(lse2).shape) == tuple(to_numpy(delta).shape) == (B, S, h_pad)
+        DEL, L2, DS, _ = self._preprocess(pre.natural, to_numpy(pre.out), to_numpy(do)[:, :, :H],
+                                          to_numpy(pre.lse), to_numpy(pre.sink), h_pad)
+        _write(delta, DEL.reshape(B, S, h_pad))
+        _write(lse2, L2.reshape(B, S, h_pad))
+        _write(pre.d_sink_rows, DS.reshape(B, S, h_pad))
+
     def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                 dq, acc, bound, bound_exp):
+                 dq, acc, bound, bound_exp, pre=None):
+        if pre is not None:
+            self._fused_preprocess(m, mode, with_dq, do, lse2, delta, pre)
         Q, KV = to_numpy(q).astype(np.float64), to_numpy(kv).astype(np.float64)
         DO, I = to_numpy(do), to_numpy(idx)
         LSE2, DEL, ACC = to_numpy(lse2), to_numpy(delta), to_numpy(acc)
         sm = float(to_numpy(scale)[0])
         B, S, h_pad, _ = Q.shape
         dv = DO.shape[-1]
-        self.calls.append(("main", m, h_pad, I.shape[-1], mode, with_dq))
+        self.calls.append(("main", m, h_pad, I.shape[-1], mode, with_dq)
+                          + (() if pre is None else (("pre", bool(pre.natural)),)))
         assert mode in ("atomic", "exact") and (with_dq or mode == "exact")
         valid = I >= 0
         if not with_dq:  # only the first counts[b, s] slots of each row

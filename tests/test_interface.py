@@ -99,14 +99,90 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     plan = tiling.head_plan(H)
     head = ("main", plan.heads_per_cta, plan.padded_heads, 128)
     finish = ("finish", plan.heads_per_cta, det)
+    natural = lse_format == "natural"
+    if not det and plan.heads_per_cta == 64:  # the preprocess fused into the atomic main
+        assert prov.calls[1:] == [head + ("atomic", True, ("pre", natural)), finish]
+        return
     # the preprocess writes |dO|^2 for the grid estimate in the deterministic mode only
-    assert prov.calls[1] == ("pre", lse_format == "natural", det)
+    assert prov.calls[1] == ("pre", natural, det)
     if det:  # the grids, the first pass, the re-run plan, the re-run of the keys over their bound
         assert prov.calls[2:] == [("grid_rows",), ("grid_scatter",), ("grid_keys",),
                                   head + ("exact", True), ("rerun_plan",), ("rerun_slots",),
                                   head + ("exact", False), finish]
     else:
         assert prov.calls[2:] == [head + ("atomic", True), finish]
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("H, sink, lse_format", [(64, True, "natural"), (40, True, "log2_sink"),
+                                                 (100, False, "natural"), (64, False, "log2_sink")])
+def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monkeypatch):
+    """The atomic backward on 64-head tiles launches no preprocess: its main kernel takes
+    ``pre`` (interface.FusedPreprocess) and writes Delta, lse2 and the rows' d_sink terms itself
+    (pad heads too: H=40 is one tile with 24 of them, H=100 two tiles with 28).  The gradients
+    match the fp64 reference, and equal those of the separate preprocess
+    (``FUSED_PREPROCESS = False``) bit for bit (the stand-in runs the same code both ways)."""
+    q, kv, do, sk, idx = _case(fw, 2, 5, 70, H, 100, sink, seed=H + 7, empty_rows=(2,))
+    prov = CpuStandIn()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    lse_in = lse_natural_to_log2_sink(lse, sk) if lse_format == "log2_sink" else lse
+    natural = lse_format == "natural"
+
+    def bwd():
+        prov.calls.clear()
+        return interface.mqa_latent_sparse_bwd(q, kv, out, do, lse_in, sk, idx, SM,
+                                               deterministic=False, lse_format=lse_format,
+                                               provider=prov)
+
+    got = bwd()
+    plan = tiling.head_plan(H)
+    assert plan.heads_per_cta == 64 and (plan.padded_heads > H) == (H != 64)
+    head = ("main", 64, plan.padded_heads, 128, "atomic", True)
+    assert prov.calls == [head + (("pre", natural),), ("finish", 64, False)]
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
+    errs = (rel_l2(got[0], ref_dq), rel_l2(got[1], ref_dkv))
+    assert max(errs) < 1e-2, errs
+    if sink:
+        assert rel_l2(got[2], ref_ds) < 1e-2
+    else:
+        assert not to_numpy(got[2]).any()
+    monkeypatch.setattr(interface, "FUSED_PREPROCESS", False)
+    want = bwd()
+    assert [c[0] for c in prov.calls] == ["pre", "main", "finish"]
+    assert prov.calls[1] == head
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(to_numpy(g), to_numpy(w))
+
+
+class _NoPre(CpuStandIn):
+    """A provider whose ``bwd_main`` override has no ``pre`` parameter (an older custom one)."""
+
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
+                 dq, acc, bound, bound_exp):
+        super().bwd_main(m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
+                         dq, acc, bound, bound_exp)
+
+
+class _NoTiles(CpuStandIn):
+    fused_preprocess_tiles = ()
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("provider", [_NoPre, _NoTiles])
+def test_providers_without_the_fused_preprocess_keep_the_separate_launch(fw, provider):
+    """A provider that does not list the tile in ``fused_preprocess_tiles``, or whose
+    ``bwd_main`` has no ``pre`` parameter, gets the separate preprocess and the same results."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 64, 64, True, seed=12)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=CpuStandIn())
+    prov = provider()
+    got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=False,
+                                          provider=prov)
+    assert [c[0] for c in prov.calls] == ["pre", "main", "finish"]
+    assert prov.calls[1] == ("main", 64, 64, 64, "atomic", True)
+    want = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=False,
+                                           provider=CpuStandIn())
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(to_numpy(g), to_numpy(w))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -444,6 +520,16 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
             interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
                                             deterministic=det)
         assert [c[0] for c in prov.calls] == launched
+    # 64 heads: the atomic main kernel does the preprocess's work and reads indices, so
+    # nothing runs before the checks raise
+    q, kv, do, sk, _ = _case(fw, 1, 4, 64, 64, 64, True, seed=6)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    for det, launched in ((False, []), (True, ["pre", "grid_rows"])):
+        prov.calls.clear()
+        with pytest.raises(ValueError, match="token_indices"):
+            interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
+                                            deterministic=det)
+        assert [c[0] for c in prov.calls] == launched
 
 
 class _StandInWithStats(CpuStandIn):
@@ -479,9 +565,9 @@ class _StandInWithStats(CpuStandIn):
         self._saw(idx)
         return super().fwd(m, q, kv, idx, *rest)
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, *rest):
+    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, *rest, pre=None):
         self._saw(idx, None if with_dq else rest[4])  # rest[4]: counts
-        return super().bwd_main(m, mode, with_dq, q, kv, do, idx, *rest)
+        return super().bwd_main(m, mode, with_dq, q, kv, do, idx, *rest, pre=pre)
 
     def exact_grid_scatter(self, c_row, top, idx, est):
         self._saw(idx)
@@ -489,14 +575,16 @@ class _StandInWithStats(CpuStandIn):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
-def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw):
+@pytest.mark.parametrize("H", [8, 64])
+def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw, H):
     """With a provider whose ``value_stats`` makes the safe copy of the indices (the CUDA one),
     every kernel reads that copy and the wrappers wait for the numbers after queueing the
     kernels (run 43: no host wait with the GPU idle): bad indices still raise the same
     ``ValueError`` before the call returns, and no kernel is ever handed one outside
     ``[-1, S_kv)``.  Good inputs give the same results as without the copy; int64 indices
-    (no copy) still wait before the first kernel that dereferences an index."""
-    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=7)
+    (no copy) still wait before the first kernel that dereferences an index.  With 64 heads
+    the atomic backward's first launch is its main kernel (the preprocess fused into it)."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, H, 64, True, seed=7)
     plain = CpuStandIn()
     want_out, want_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=plain)
     want = interface.mqa_latent_sparse_bwd(q, kv, want_out, do, want_lse, sk, idx, SM,
@@ -521,7 +609,8 @@ def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw):
         with pytest.raises(ValueError, match=r"token_indices.*\[-9, 1000000\]"):
             run()
         last = {"fwd": "fwd", "bwd_det": "finish", "bwd_atomic": "finish"}[name]
-        assert prov.calls[0][0] == ("value_stats" if name == "fwd" else "pre"), name
+        fused = name == "bwd_atomic" and H == 64
+        assert prov.calls[0][0] == ("value_stats" if name == "fwd" or fused else "pre"), name
         assert prov.calls[-1][0] == last, (name, prov.calls)  # everything was queued first
         assert prov.seen and all(lo >= -1 and hi < 64 for lo, hi in prov.seen), (name, prov.seen)
 

@@ -65,13 +65,15 @@ def _specs():
     from paddlefleet.tilelang_ops.attn import kernels
 
     want = [("fwd", 64), ("bwd_main", (64, "exact", True)), ("bwd_main", (64, "exact", False)),
-            ("bwd_main", (16, "atomic", True)), ("bwd_pre", (True, False)),
+            ("bwd_main", (16, "atomic", True)), ("bwd_main", (64, "atomic", True, True, True)),
+            ("bwd_main", (64, "atomic", True, True, False)), ("bwd_pre", (True, False)),
             ("bwd_pre", (True, True))]
 
     def tag(name, args):
         if name == "bwd_pre":  # (natural, with |dO|^2)
             return name, (args[1], len(args) > 2 and args[2])
-        return (name, args[0] if name == "fwd" else (args[0], args[3], args[4])
+        # bwd_main: (tile, mode, with dQ) and, fused, (fused, natural)
+        return (name, args[0] if name == "fwd" else (args[0], args[3], args[4]) + args[15:]
                 if name == "bwd_main" else None)
 
     by_tag = {tag(n, a): (n, a) for n, a in kernels.specs()}
@@ -120,7 +122,8 @@ def test_every_kernel_takes_the_shared_pass_configs():
 
 @pytest.mark.parametrize("name, args", SPECS,
                          ids=["_".join(map(str, (n,) + (a if n == "bwd_pre" else a[:1] + a[3:5])))
-                              for n, a in SPECS])
+                              + ("_fused_natural" if a[16:] == (True,) else "_fused_log2"
+                                 if a[16:] else "") for n, a in SPECS])
 def test_kernel_lowers_for_sm90a(name, args):
     art = _lower(name, args)
     src = art.kernel_source
@@ -350,6 +353,64 @@ def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / f"{name}.cubin").stat().st_size > 0
     print(" ".join(l.strip() for l in res.stderr.splitlines() if "registers" in l or "spill" in l))
+
+
+def test_main_args_reach_the_fused_parameters():
+    """``kernels.main_args(..., fused=True)`` fills the schedule knobs with their defaults so
+    that its last two values are ``sparse_bwd.main``'s ``fused`` and ``natural``; without it
+    the arguments are those of before (the unfused kernels' cache keys)."""
+    import inspect
+
+    from paddlefleet.tilelang_ops.attn.kernels import main_args, sparse_bwd
+
+    params = list(inspect.signature(sparse_bwd.main.func).parameters)
+    for natural in (True, False):
+        args = main_args(64, "atomic", True, fused=True, natural=natural)
+        assert dict(zip(params, args))["fused"] is True
+        assert dict(zip(params, args))["natural"] is natural and len(args) == len(params)
+        for name, value in zip(params[6:14], args[6:14]):
+            assert inspect.signature(sparse_bwd.main.func).parameters[name].default == value
+    assert main_args(64, "atomic", True) == (64, 576, 512, "atomic", True, 32)
+
+
+@pytest.mark.parametrize("mode, natural", [("atomic", True), ("exact", False)])
+def test_fused_prologue_computes_the_rows_in_the_kernel(mode, natural):
+    """``sparse_bwd._two_warpgroups(fused=True)``: the preprocess's rows in the prologue.  The
+    kernel takes O, Lse, Sink and writes DSink, Delta and Lse2 (no longer const inputs); each
+    thread's O row piece is loaded in 16-byte vectors before the query tile's wait (guarded by
+    the real head count), multiplied with dO from shared memory after it, summed by a two-step
+    butterfly, and lane 0 of each row writes the three values; one CTA barrier before the
+    warpgroups split, none after; warpgroup 0 reads Lse2 / Delta from shared memory.  Lowers in
+    both modes (the exact one is not launched yet), within the shared-memory cap."""
+    from paddlefleet.tilelang_ops.attn.kernels import main_args
+
+    art = _lower("bwd_main", main_args(64, mode, True, fused=True, natural=natural))
+    src = art.kernel_source
+    assert _smem(art) <= SMEM_LIMIT
+    sig = _signature(src, "sparse_bwd_two_wg")
+    for arg in ("const bfloat16_t* __restrict__ O", "const float* __restrict__ Lse",
+                "const float* __restrict__ Sink", "float* __restrict__ DSink",
+                "float* __restrict__ Delta", "float* __restrict__ Lse2", "int H,"):
+        assert arg in sig, arg
+    wait = src.index("q_ready[0].wait(")
+    branch = src.index("if (((int)threadIdx.x) < 128)")
+    o_loads = [m.start() for m in
+               re.finditer(r"\*\(uint4\*\)\(o_r \+ [^;]*\*\(uint4\*\)\(O \+ ", src)]
+    assert o_loads and all(i < wait for i in o_loads)
+    assert src.rindex("< H)", 0, o_loads[0]) > src.rindex("cp_async", 0, o_loads[0])
+    prologue = src[wait:branch]
+    dO_loads = r"\*\(uint4\*\)\(do_r \+ 0\) = \*\(uint4\*\)\(\(\(bfloat16_t\*\)dO_[lr]\)"
+    assert len(re.findall(dO_loads, prologue)) == 2
+    for lane in (1, 2):
+        assert f"__shfl_xor_sync((uint)4294967295, lse_r[2], {lane}, 32)" in prologue
+    assert "% 4) == 0)" in prologue
+    for out in ("Delta[", "Lse2[", "DSink["):
+        assert prologue.count(out) == 2, out  # a real head's value, a pad head's 0
+        assert out not in src[branch:]
+    assert "__syncthreads();\n  if (((int)threadIdx.x) < 128)" in src
+    assert "__syncthreads()" not in src[branch:]
+    assert "lse_f[i] = ((float*)rows_s)" in src[branch:] or "= ((float*)rows_s)[" in src[branch:]
+    assert ("nearbyintf" in src) == (mode == "exact")
 
 
 def test_w1_right_moves_the_right_gather_to_warpgroup_1():

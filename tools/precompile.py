@@ -10,7 +10,8 @@ pytest would take minutes.  This tool builds them in a process pool that shares
 
 Specialisations: ``paddlefleet.tilelang_ops.attn.kernels.specs`` (the forward, the backward
 preprocess per lse format, with and without the rows' ``|dO|^2``, and the main backward in its three flavours: exact with dQ, exact re-run without
-dQ, atomic) for every head tile in ``--heads`` (default 16 32 64, all the tiles
+dQ, atomic; for 64-head tiles also the atomic one with the preprocess fused, per lse
+format) for every head tile in ``--heads`` (default 16 32 64, all the tiles
 ``tiling.head_plan`` can give), and the exact dKV's five bookkeeping kernels (``exact_grid.py``:
 grid_rows, grid_scatter, grid_keys, rerun_plan, rerun_slots; one specialisation each, whatever
 the head tile).  Prints one line per kernel and a summary; exits 1 if any failed.

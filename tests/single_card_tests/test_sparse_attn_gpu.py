@@ -132,23 +132,31 @@ if cuda_available():
                 assert _unwritten(do2) == 0, "do2: not written whole"
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
-                     counts, dq, acc, bound, bound_exp):
+                     counts, dq, acc, bound, bound_exp, pre=None):
             # dq is written whole (poisoned first) by the pass that computes it; the
-            # accumulators are added into, so they keep their contents
+            # accumulators are added into, so they keep their contents.  With pre (the fused
+            # preprocess) lse2, delta and the rows' d_sink terms are outputs, written whole
+            # unless the lse has a NaN (NaN = the poison)
             outs = [("dq", dq, True)] if with_dq else []
             outs += [("dkv_acc", acc, False), ("bound", bound, False),
                      ("bound_exp", bound_exp, False)]
             if not with_dq:
                 outs.append(("dq_untouched", dq, False))
+            pre_outs = [] if pre is None else [("lse2", lse2, True), ("delta", delta, True),
+                                               ("d_sink_rows", pre.d_sink_rows, True)]
 
             def launch(v):
-                d = dict(zip([n for n, _, _ in outs], v))
+                d = dict(zip([n for n, _, _ in outs + pre_outs], v))
+                p = None if pre is None else pre._replace(d_sink_rows=d["d_sink_rows"])
                 super(GuardedKernels, self).bwd_main(
-                    m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                    d.get("dq", d.get("dq_untouched")), d["dkv_acc"], d["bound"],
-                    d["bound_exp"])
+                    m, mode, with_dq, q, kv, do, idx, d.get("lse2", lse2), d.get("delta", delta),
+                    scale, inv_grid, counts, d.get("dq", d.get("dq_untouched")), d["dkv_acc"],
+                    d["bound"], d["bound_exp"], p)
 
-            self._run(launch, outs)
+            self._run(launch, outs + pre_outs)
+            if pre is not None and not bool(torch.isnan(pre.lse).any()):
+                for n, t, _ in pre_outs:
+                    assert _unwritten(t) == 0, f"{n}: {_unwritten(t)} elements not written"
 
         def bwd_finish(self, m, scaled, acc, inv_grid, dkv):
             self._run(lambda v: super(GuardedKernels, self).bwd_finish(m, scaled, acc, inv_grid,
@@ -616,6 +624,114 @@ def test_exact_grid_kernels_match_the_stand_in(case):
         got, want = idx2[on], idx2_ref[on]
         assert torch.equal(got.sort(-1).values, want.sort(-1).values), name  # as sets
         assert torch.equal(got, want), f"{name}: the re-run slots' order differs"
+
+
+FUSED_CASES = [
+    dict(id="H64_L2048_sink", B=1, S=64, S_kv=2112, H=64, L=2048, sink=True),
+    dict(id="H64_L150_sink_oddblocks_log2", B=1, S=40, S_kv=200, H=64, L=150, sink=True,
+         empty_rows=(7,), lse_format="log2_sink"),
+    dict(id="H40_L64_pad24_sink_log2", B=1, S=96, S_kv=128, H=40, L=64, sink=True,
+         lse_format="log2_sink"),
+    dict(id="H100_B2_L640_nosink", B=2, S=24, S_kv=700, H=100, L=640, empty_rows=(3,)),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[c["id"] for c in FUSED_CASES])
+def test_fused_preprocess_atomic_backward(case, monkeypatch):
+    """The atomic backward on 64-head tiles with the preprocess fused into its main kernel
+    (``interface.FUSED_PREPROCESS``; no preprocess launch): the gradients at the bf16 floor
+    against the fp64 reference, dq and d_sink bitwise repeatable (dq written once per (row,
+    head), d_sink a fixed-order sum: the fused Delta is summed in a fixed order too; dKV's fp32
+    atomics are not), and within fp32 rounding of the separate preprocess's (its Delta sums in
+    another order), every output of the prologue written whole and nothing outside it."""
+    seed = zlib.crc32(case["id"].encode())
+    q, kv, do, sink, idx = _inputs(case, seed)
+    fmt = case.get("lse_format", "natural")
+    prov = GuardedKernels()
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
+    lse_in = lse_natural_to_log2_sink(lse, sink) if fmt == "log2_sink" else lse
+    assert tiling.head_plan(case["H"]).heads_per_cta == 64
+
+    def bwd():
+        return interface.mqa_latent_sparse_bwd(q, kv, out, do, lse_in, sink, idx, SM_SCALE,
+                                               deterministic=False, lse_format=fmt,
+                                               provider=prov)
+
+    def no_preprocess(*args, **kwargs):
+        raise AssertionError("the fused atomic backward launched the preprocess")
+
+    monkeypatch.setattr(prov, "bwd_preprocess", no_preprocess)
+    runs = [bwd() for _ in range(3)]
+    monkeypatch.undo()
+    dq, dkv, ds = runs[0]
+    for other in runs[1:]:
+        assert torch.equal(dq, other[0]), "dq not bitwise repeatable (fused, atomic)"
+        assert torch.equal(ds, other[2]), "d_sink not bitwise repeatable (fused, atomic)"
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
+    errs = dict(dq=rel_l2(dq.float(), ref_dq), dkv=rel_l2(dkv.float(), ref_dkv))
+    monkeypatch.setattr(interface, "FUSED_PREPROCESS", False)
+    dq_u, dkv_u, ds_u = bwd()
+    errs.update(dq_vs_unfused=rel_l2(dq.float(), dq_u.float()),
+                dkv_vs_unfused=rel_l2(dkv.float(), dkv_u.float()))
+    if sink is not None:
+        # as test_against_reference: against the size of the summed terms (cancellation)
+        ref_lse_all = torch.logaddexp(lse, sink.view(1, 1, -1))
+        terms = torch.exp(sink.view(1, 1, -1) - ref_lse_all) * (out.float() * do.float()).sum(-1)
+        errs["d_sink"] = float((ds - ref_ds).norm() / terms.abs().sum((0, 1)).norm())
+        errs["d_sink_vs_unfused"] = rel_l2(ds, ds_u)
+    else:
+        assert bool((ds == 0).all())
+    print(f"\n[{case['id']} fused] " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for t in (dq, dkv, ds):
+        assert not torch.isnan(t).any()
+    for k, v in errs.items():
+        limit = 1e-4 if k == "d_sink_vs_unfused" else 1e-3 if k.endswith("_vs_unfused") else TOL
+        assert v < limit, f"{k}: relative L2 error {v:.3e} >= {limit}"
+
+
+@pytest.mark.parametrize("natural", [True, False], ids=["natural", "log2_sink"])
+def test_fused_prologue_matches_the_preprocess(natural):
+    """The fused main kernel's Delta, lse2 and d_sink terms against the preprocess's stand-in,
+    with the special lse values of test_preprocess_kernel_matches_the_stand_in (a NaN, +-inf,
+    a -inf sink with a -inf lse) and 24 pad heads (H=40 in one 64-head tile): same tolerances,
+    0 at pad heads, NaN where the stand-in has NaN, nothing written outside."""
+    rng = np.random.default_rng(11 + natural)
+    S, H, h_pad, S_kv, L = 70, 40, 64, 96, 64
+    out = torch.from_numpy(rng.standard_normal((1, S, H, DV), dtype=np.float32)).cuda()
+    do = torch.from_numpy(rng.standard_normal((1, S, H, DV), dtype=np.float32)).cuda()
+    out, do = out.to(torch.bfloat16), do.to(torch.bfloat16)
+    lse = torch.from_numpy(rng.standard_normal((1, S, H), dtype=np.float32) * 30).cuda()
+    lse[0, 3, 0], lse[0, 4, 1], lse[0, 5, 2], lse[0, 6, 3] = (float("nan"), float("inf"),
+                                                              -float("inf"), 1e30)
+    sink = torch.from_numpy(rng.standard_normal(H, dtype=np.float32) * 20).cuda()
+    sink[2] = -float("inf")
+    q = torch.zeros((1, S, h_pad, DK), dtype=torch.bfloat16, device="cuda")
+    q[:, :, :H] = torch.randn((1, S, H, DK), device="cuda").to(torch.bfloat16)
+    kv = torch.randn((1, S_kv, DK), device="cuda").to(torch.bfloat16)
+    do_p = torch.zeros((1, S, h_pad, DV), dtype=torch.bfloat16, device="cuda")
+    do_p[:, :, :H] = do
+    idx = torch.from_numpy(causal_topk_indices(1, S, S_kv, L, seed=3)).cuda()
+    got = [torch.empty((1, S, h_pad), device="cuda") for _ in range(3)]  # lse2, delta, d_sink
+    pre = interface.FusedPreprocess(natural, out, lse, sink, got[2])
+    GuardedKernels().bwd_main(
+        64, "atomic", True, q, kv, do_p, idx, got[0], got[1],
+        torch.full((1,), SM_SCALE, device="cuda"), torch.empty((1, S_kv), device="cuda"),
+        torch.empty((1, S), dtype=torch.int32, device="cuda"), torch.empty_like(q),
+        torch.zeros((1, S_kv, DK), device="cuda"),
+        torch.empty((1, S_kv), dtype=torch.int64, device="cuda"),
+        torch.empty((1, S_kv), dtype=torch.int32, device="cuda"), pre)
+    want = [torch.empty((S, h_pad), device="cuda") for _ in range(3)]  # delta, lse2, d_sink
+    CpuStandIn().bwd_preprocess(natural, out.reshape(S * H, DV), do.reshape(S * H, DV),
+                                lse.reshape(S * H), sink, *want)
+    tols = {"delta": (1e-5, 1e-3), "lse2": (1e-6, 1e-5), "d_sink_rows": (1e-4, 1e-3)}
+    for name, g, w in zip(("delta", "lse2", "d_sink_rows"), (got[1], got[0], got[2]), want):
+        g = g.reshape(S, h_pad)
+        assert bool((g[:, H:] == 0).all()), f"{name}: pad heads not 0"
+        assert torch.equal(torch.isnan(g), torch.isnan(w)), f"{name}: NaN pattern differs"
+        rtol, atol = tols[name]
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, msg=name)
+    lse2 = got[0].reshape(S, h_pad)
+    assert lse2[5, 2] == 0 and bool(torch.isnan(lse2[3, 0])) and lse2[4, 1] == float("inf")
 
 
 @pytest.mark.parametrize("with_do2", [False, True], ids=["plain", "do2"])

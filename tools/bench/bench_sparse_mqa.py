@@ -247,14 +247,19 @@ class StageClock:
     """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main, bwd_finish
     and the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark
     on each side of every launch; the exact dKV's grid kernels count as one stage ("grid"), its
-    re-run plan and slot compaction as another ("re-run plan").  It keeps what the deterministic backward
-    hands its exact dKV passes: the first pass's per-key bound and the re-run pass's slots (the
-    first ``counts[b, s]`` of each row of its indices; the rest of a row is ``-1`` or, in a
-    batch with no re-run key, unwritten)."""
+    re-run plan and slot compaction as another ("re-run plan"); where ``inner`` fuses the
+    preprocess into the atomic main kernel (``interface.FUSED_PREPROCESS``), "main" includes it
+    and there is no "preprocess" stage.  It keeps what the deterministic backward hands its
+    exact dKV passes: the first pass's per-key bound and the re-run pass's slots (the first
+    ``counts[b, s]`` of each row of its indices; the rest of a row is ``-1`` or, in a batch
+    with no re-run key, unwritten)."""
 
     def __init__(self, clock, inner):
         self.clock, self.inner, self.device = clock, inner, inner.device
         self.marks, self.bound, self.rerun_idx = [], None, None
+        # the tiles whose main kernel does the preprocess's work (interface.FusedPreprocess):
+        # those of inner, whose launch then counts in "main" (no "preprocess" stage)
+        self.fused_preprocess_tiles = getattr(inner, "fused_preprocess_tiles", ())
 
     def _launch(self, stage, launch, *args):
         start = self.clock.mark()
@@ -268,10 +273,10 @@ class StageClock:
         self._launch("preprocess", self.inner.bwd_preprocess, *args)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
-        self._launch("main" if with_dq else "main re-run", self.inner.bwd_main, heads_per_cta,
-                     mode, with_dq, q, kv, grad_out, indices, lse2, delta, scale, inv_grid,
-                     counts, dq, dkv_acc, bound, bound_exp)
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
+        args = (heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta, scale,
+                inv_grid, counts, dq, dkv_acc, bound, bound_exp) + (() if pre is None else (pre,))
+        self._launch("main" if with_dq else "main re-run", self.inner.bwd_main, *args)
         if mode == "exact" and with_dq:
             self.bound = bound.clone()  # the re-run adds to it
         elif mode == "exact":

@@ -18,7 +18,10 @@ the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel w
 chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
-checks on (off by default: kernels and host only).
+checks on (off by default: kernels and host only).  ``--unfused`` times the atomic backward
+twice per provider, with the preprocess fused into the 64-head main kernel
+(``interface.FUSED_PREPROCESS``, the default) and as a launch of its own, and prints the
+relative error between the two and whether the fused one repeats dq and d_sink bit for bit.
 """
 import argparse
 import sys
@@ -32,7 +35,7 @@ import harness  # noqa: E402
 import model  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
-from paddlefleet.tilelang_ops.attn.kernels import main_args  # noqa: E402
+from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS, main_args  # noqa: E402
 
 DK, DV = 576, 512
 #: the benchmark's shapes, and three only the trials use
@@ -72,18 +75,33 @@ class Variant(interface.TileLangKernels):
         key = ("fwd", 64, DK, DV) + self.fwd_extra
         self._timed(key)(q, kv, indices, sink, scale, out, lse)
 
+    @property
+    def fused_preprocess_tiles(self):
+        # the fused prologue exists in the two-warpgroup kernel only (warp_specialized: the
+        # fifth knob)
+        ws = (self.bwd_extra or ())[4:5]
+        return (64,) if ws in ((), (None,), (True,)) else ()
+
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
         if self.bwd_extra is None or heads_per_cta not in (32, 64):
             return super().bwd_main(heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2,
-                                    delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp)
+                                    delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp,
+                                    pre)
         key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq)) + self.bwd_extra
-        self._timed(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq,
-                         dkv_acc, bound, bound_exp)
+        args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
+                bound, bound_exp)
+        if pre is None:
+            self._timed(key)(*args)
+        else:  # the knobs not given at their defaults, then fused and the lse format
+            key += MAIN_KNOB_DEFAULTS[len(self.bwd_extra):] + (True, bool(pre.natural))
+            self._timed(key)(*args, pre.out, pre.lse, pre.sink, pre.d_sink_rows)
 
 
 #: check_indices of every timed call (--check-indices)
 CHECK = False
+#: time the atomic backward with and without the fused preprocess (--unfused)
+UNFUSED = False
 
 def median_ms(fn, reps):
     """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock)."""
@@ -122,21 +140,37 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
         base_out = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False)
     out, lse = base_out
     base = {}
+    shipped_fused = interface.FUSED_PREPROCESS
     for pname, prov in providers.items():
         if not do_bwd.get(pname, True):
             continue
         for det in dets:
-            f = lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
-                                                        deterministic=det, check_indices=CHECK,
-                                                        provider=prov)
-            r1, r2 = f(), f()
-            same = all(torch.equal(x, y) for x, y in zip(r1, r2))
-            base.setdefault(det, r1)
-            o = base[det]
-            ms = median_ms(f, reps)
-            print(f"[{name}] bwd {pname} det={det}: {ms:.3f} ms, repeat-bitwise={same}, "
-                  f"vs first: dq {rel(r1[0], o[0]):.2e} dkv {rel(r1[1].float(), o[1].float()):.2e}"
-                  f" dsink {rel(r1[2], o[2]):.2e} dkv-equal={torch.equal(r1[1], o[1])}", flush=True)
+            both = UNFUSED and not det
+            fused_r = None
+            for fused in ((True, False) if both else (shipped_fused,)):
+                interface.FUSED_PREPROCESS = fused
+                f = lambda: interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm,
+                                                            deterministic=det,
+                                                            check_indices=CHECK, provider=prov)
+                r1, r2 = f(), f()
+                same = all(torch.equal(x, y) for x, y in zip(r1, r2))
+                # dq and d_sink: written once per (row, head) / a fixed-order sum, in both modes
+                same_qs = torch.equal(r1[0], r2[0]) and torch.equal(r1[2], r2[2])
+                base.setdefault(det, r1)
+                o = base[det]
+                ms = median_ms(f, reps)
+                tag = f" fused={fused}" if both else ""
+                print(f"[{name}] bwd {pname} det={det}{tag}: {ms:.3f} ms, repeat-bitwise={same}"
+                      f" (dq, dsink: {same_qs}), vs first: dq {rel(r1[0], o[0]):.2e} dkv "
+                      f"{rel(r1[1].float(), o[1].float()):.2e} dsink {rel(r1[2], o[2]):.2e} "
+                      f"dkv-equal={torch.equal(r1[1], o[1])}", flush=True)
+                if both and fused:
+                    fused_r = r1
+                elif both:
+                    print(f"[{name}] bwd {pname} fused vs unfused: dq {rel(fused_r[0], r1[0]):.2e}"
+                          f" dkv {rel(fused_r[1].float(), r1[1].float()):.2e} dsink "
+                          f"{rel(fused_r[2], r1[2]):.2e}", flush=True)
+            interface.FUSED_PREPROCESS = shipped_fused
 
 
 def precompile(providers, jobs=16):
@@ -155,6 +189,9 @@ def precompile(providers, jobs=16):
             for m in (32, 64):
                 for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
                     keys.add(("bwd_main", main_args(m, mode, dq) + prov.bwd_extra))
+            if prov.fused_preprocess_tiles:  # the fused atomic kernel (our forward's lse)
+                keys.add(("bwd_main", main_args(64, "atomic", True) + prov.bwd_extra
+                          + MAIN_KNOB_DEFAULTS[len(prov.bwd_extra):] + (True, True)))
     t = time.time()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name, a, dt, err in pool.map(_build_one, *zip(*[(n, a, False) for n, a in keys])):
@@ -172,9 +209,12 @@ def main():
     ap.add_argument("--atomic-only", action="store_true", help="skip deterministic=True")
     ap.add_argument("--check-indices", action="store_true",
                     help="calls with the value checks on (default off: kernels and host only)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="atomic backward also with the separate preprocess (A/B of the fused one)")
     args = ap.parse_args()
-    global CHECK
+    global CHECK, UNFUSED
     CHECK = args.check_indices
+    UNFUSED = args.unfused
     providers = {"shipped": interface.TileLangKernels()}
     do_fwd, do_bwd = {}, {}
     for spec in args.fwd:

@@ -23,8 +23,10 @@ across calls and processes.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import tiling
 from .adapter import ops_for, type_name
@@ -34,6 +36,8 @@ __all__ = [
     "mqa_latent_sparse_fwd",
     "mqa_latent_sparse_bwd",
     "TileLangKernels",
+    "FusedPreprocess",
+    "FUSED_PREPROCESS",
     "EXACT_BITS",
     "GRID_MARGIN_BITS",
     "RERUN_COARSE_BITS",
@@ -52,6 +56,32 @@ GRID_MARGIN_BITS = 2
 RERUN_COARSE_BITS = 6
 # Clamp of the grid exponent: keeps 1 / g a normal fp32 number.
 _GRID_EXP_RANGE = (-100, 100)
+#: The atomic backward hands the preprocess's work to its main kernel (``bwd_main(...,
+#: pre=FusedPreprocess(...))``) where the provider can (:class:`TileLangKernels`: 64-head
+#: tiles): one launch fewer, and ``out`` / ``dO`` are not streamed from HBM a second time.
+#: ``False``: the separate ``bwd_preprocess`` launch everywhere (A/B trials:
+#: ``tools/experiments/kernel_trial.py --unfused``).
+FUSED_PREPROCESS = True
+
+
+class FusedPreprocess(NamedTuple):
+    """What ``bwd_main(..., pre=...)`` needs to do the preprocess's work itself: with it the
+    main kernel writes ``lse2`` and ``delta`` (``[B, S, H_pad] fp32``, otherwise its inputs)
+    and ``d_sink_rows`` from these, with the values and pad-head zeros of ``bwd_preprocess``.
+
+    natural: the format of ``lse`` (``True``: natural log, sink-exclusive; ``False``: base 2,
+        sink-inclusive).
+    out: ``[B, S, H, Dv] bf16``, the forward output (the real heads, contiguous).
+    lse: ``[B, S, H] fp32`` (contiguous).
+    sink: ``[H] fp32``, ``-inf`` for no sink.
+    d_sink_rows: ``[B, S, H_pad] fp32``, written: each row's term of ``d_sink``.
+    """
+
+    natural: bool
+    out: Any
+    lse: Any
+    sink: Any
+    d_sink_rows: Any
 
 
 class TileLangKernels:
@@ -71,15 +101,22 @@ class TileLangKernels:
     takes an optional last output ``do2`` (``[B S, H_pad] fp64``, each (row, head)'s
     ``|dO|^2``; 0 at pad heads): the deterministic backward passes it and hands it to
     ``exact_grid_rows(d_v, q, do2, ...)``, which reads it in place of ``dO``; the atomic
-    backward passes none (its kernel is the one without that output).  The column order of
-    the fp32 dKV accumulator between ``bwd_main`` and ``bwd_finish`` is the provider's own
-    (these kernels permute the 64-head tiles', ``tiling.dkv_column``); ``bwd_finish`` writes
-    the bf16 dKV in the real order.  Compiled kernels are cached by TileLang per static
-    specialisation (head tile, Dk, Dv, dKV mode, dQ on/off, the preprocess's lse format and
-    ``do2``); shapes are dynamic.
+    backward passes none (its kernel is the one without that output).  ``bwd_main`` takes an
+    optional last argument ``pre``, a :class:`FusedPreprocess`, for the head tiles in the
+    provider's ``fused_preprocess_tiles`` (here the 64-head tile, whose two-warpgroup kernel
+    has the preprocess as a prologue): the atomic backward then launches no
+    ``bwd_preprocess`` (:data:`FUSED_PREPROCESS`).  A provider without that attribute, or whose
+    ``bwd_main`` has no ``pre`` parameter (e.g. a subclass that overrides it), always gets the
+    separate ``bwd_preprocess``.  The column order of the fp32 dKV accumulator between
+    ``bwd_main`` and ``bwd_finish`` is the provider's own (these kernels permute the 64-head
+    tiles', ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the real order.
+    Compiled kernels are cached by TileLang per static specialisation (head tile, Dk, Dv, dKV
+    mode, dQ on/off, the preprocess's lse format and ``do2``, fused or not); shapes are dynamic.
     """
 
     device = "cuda"
+    #: head tiles whose ``bwd_main`` takes ``pre`` (``sparse_bwd._two_warpgroups``, ``fused``)
+    fused_preprocess_tiles = (64,)
 
     def __init__(self):
         # compiled kernels by static key: skips TileLang's argument binding on every call
@@ -137,13 +174,18 @@ class TileLangKernels:
             self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows, do2)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp):
+                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
         from .kernels import main_args
 
         key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), int(q.shape[-1]),
-                                        int(grad_out.shape[-1]))
-        self._kernel(key)(q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq,
-                          dkv_acc, bound, bound_exp)
+                                        int(grad_out.shape[-1]), fused=pre is not None,
+                                        natural=pre is None or pre.natural)
+        args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
+                bound, bound_exp)
+        if pre is None:
+            self._kernel(key)(*args)
+        else:
+            self._kernel(key)(*args, pre.out, pre.lse, pre.sink, pre.d_sink_rows)
 
     def bwd_finish(self, heads_per_cta, scaled, dkv_acc, inv_grid, dkv):
         from .kernels import finish_args
@@ -176,6 +218,24 @@ class TileLangKernels:
 
 
 _DEFAULT_PROVIDER = TileLangKernels()
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_pre(bwd_main) -> bool:
+    try:
+        return "pre" in inspect.signature(bwd_main).parameters
+    except (TypeError, ValueError):  # no signature to read: not assumed
+        return False
+
+
+def _fuses_preprocess(provider, heads_per_cta) -> bool:
+    """Whether ``provider.bwd_main`` does the preprocess's work for this head tile
+    (``pre=``, :class:`TileLangKernels`): listed in its ``fused_preprocess_tiles`` and a
+    ``pre`` parameter in its ``bwd_main`` (a subclass overriding it without one is not)."""
+    if heads_per_cta not in getattr(provider, "fused_preprocess_tiles", ()):
+        return False
+    bwd_main = provider.bwd_main
+    return _takes_pre(getattr(bwd_main, "__func__", bwd_main))
 
 
 def _check_bool(value, name):
@@ -498,18 +558,22 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     returns, or, without a safe copy of the indices (:func:`_pending_checks`), before the
     first kernel that dereferences one (the deterministic mode's ``grid_scatter``, the atomic
     mode's ``main``), so that the GPU works while their numbers reach the host (run 41: a sync
-    first had left it idle for ~0.3-0.5 ms of host time per call)."""
+    first had left it idle for ~0.3-0.5 ms of host time per call).  The atomic mode on a tile
+    the provider fuses (:func:`_fuses_preprocess`, :data:`FUSED_PREPROCESS`) launches no
+    preprocess: its main kernel does that work (it reads indices, so it still waits for the
+    checks first when there is no safe copy)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
     B, S, H, h_pad = dims.B, dims.S, dims.H, plan.padded_heads
 
-    # One kernel over the real heads (no padding copy of out / grad_out), written for the
-    # padded heads (0 at pad heads): Delta; the base-2, sink-inclusive lse, finite (a row with
-    # no key and no sink has every P = 0: any finite lse2 gives exp2(-inf - lse2) = 0, so 0; a
-    # NaN lse, possible with check_indices=False, stays NaN, never a plausible 0); each row's
-    # term of d_sink, -P_sink Delta (docs/conventions.md); deterministic: also each (row,
-    # head)'s |dO|^2 in fp64 for the grid estimate (grid_rows then does not read dO again).
+    # One kernel over the real heads (no padding copy of out / grad_out; fused: the atomic
+    # main kernel's prologue), written for the padded heads (0 at pad heads): Delta; the
+    # base-2, sink-inclusive lse, finite (a row with no key and no sink has every P = 0: any
+    # finite lse2 gives exp2(-inf - lse2) = 0, so 0; a NaN lse, possible with
+    # check_indices=False, stays NaN, never a plausible 0); each row's term of d_sink,
+    # -P_sink Delta (docs/conventions.md); deterministic: also each (row, head)'s |dO|^2 in
+    # fp64 for the grid estimate (grid_rows then does not read dO again).
     out_c = ops.contiguous(out)
     do_c = ops.contiguous(grad_out)
     lse_f = ops.contiguous(lse)
@@ -517,13 +581,16 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     lse2_p = ops.empty((B, S, h_pad), "float32", do_c)
     d_sink_rows = ops.empty((B * S, h_pad), "float32", do_c)
     do2 = ops.empty((B, S, h_pad), "float64", do_c) if deterministic else None
-    provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S * H, dims.Dv)),
-                            ops.reshape(do_c, (B * S * H, dims.Dv)),
-                            ops.reshape(lse_f, (B * S * H,)),
-                            _sink_vector(ops, attn_sink, H, H, lse_f),
-                            ops.reshape(delta_p, (B * S, h_pad)),
-                            ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
-                            *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
+    sink_h = _sink_vector(ops, attn_sink, H, H, lse_f)
+    fused = (FUSED_PREPROCESS and not deterministic
+             and _fuses_preprocess(provider, plan.heads_per_cta))
+    if not fused:
+        provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S * H, dims.Dv)),
+                                ops.reshape(do_c, (B * S * H, dims.Dv)),
+                                ops.reshape(lse_f, (B * S * H,)), sink_h,
+                                ops.reshape(delta_p, (B * S, h_pad)),
+                                ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
+                                *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
     indices, before, after = _pending_checks(values, token_indices)
     with _checks_last(after):
         query_c = ops.contiguous(query)
@@ -540,12 +607,15 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
         else:
             acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
             inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
+            # fused: lse2_p, delta_p and d_sink_rows are written by the main kernel
+            pre = {"pre": FusedPreprocess(lse_format == "natural", out_c, lse_f, sink_h,
+                                          ops.reshape(d_sink_rows, (B, S, h_pad)))} if fused else {}
             if before is not None:
                 before()  # before the first kernel that dereferences an index
             provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
                               delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
                               ops.empty((B, dims.S_kv), "int64", q),
-                              ops.empty((B, dims.S_kv), "int32", q))
+                              ops.empty((B, dims.S_kv), "int32", q), **pre)
         dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
         provider.bwd_finish(plan.heads_per_cta, deterministic, acc, inv_grid, dkv)
         # d_sink[h] = -sum over rows of P_sink Delta: one framework reduction over B*S rows, whose

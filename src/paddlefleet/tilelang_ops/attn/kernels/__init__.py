@@ -5,7 +5,8 @@
   lse) in one launch;
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta, the base-2 lse and the rows'
   ``d_sink`` terms; for the deterministic backward also each row's ``|dO|^2`` in fp64, which
-  ``grid_rows`` takes) -> ``sparse_bwd.main``
+  ``grid_rows`` takes; the atomic backward of 64-head tiles has it fused into ``main``'s
+  prologue instead, ``main_args(..., fused=True)``) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
   -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
@@ -40,11 +41,22 @@ def builders() -> dict:
             "rerun_slots": exact_grid.rerun_slots}
 
 
-def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V):
-    """Static arguments of ``sparse_bwd.main`` for one head tile (the key block follows it)."""
+#: ``sparse_bwd.main``'s schedule knobs between the key block and ``fused`` (threads ...
+#: w1_right, row_extent), all at the kernel's defaults (``None``, ``overlap=False``,
+#: ``row_extent=True``)
+MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, False, None, True)
+
+
+def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V,
+              fused: bool = False, natural: bool = True):
+    """Static arguments of ``sparse_bwd.main`` for one head tile (the key block follows it).
+    ``fused`` (the 64-head first pass with the preprocess in its prologue; ``natural``: the lse
+    format it reads) only when set, after the schedule knobs at their defaults, so that the
+    unfused kernels are built from the same arguments as before it existed."""
     from ..tiling import bwd_key_block
 
-    return (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
+    args = (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
+    return (args + MAIN_KNOB_DEFAULTS + (True, bool(natural))) if fused else args
 
 
 def pre_args(natural: bool, with_do2: bool, d_v: int = D_V):
@@ -76,6 +88,9 @@ def specs(heads=HEAD_TILES) -> list:
         out.append(("fwd", (m, D_QK, D_V)))
         for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):
             out.append(("bwd_main", main_args(m, mode, with_dq)))
+        if m == 64:  # the atomic first pass with the preprocess fused, per lse format
+            for natural in (True, False):
+                out.append(("bwd_main", main_args(m, "atomic", True, fused=True, natural=natural)))
         for scaled in (True, False):
             if ("bwd_finish", finish_args(m, scaled)) not in out:
                 out.append(("bwd_finish", finish_args(m, scaled)))

@@ -3,7 +3,8 @@
 Run in this order by ``attn/interface.py``:
 
 ``preprocess``   ``Delta[n] = sum_d O[n, d] * dO[n, d]`` (fp32) over the flattened rows
-                 ``n = (b, s, h)`` of the real heads.
+                 ``n = (b, s, h)`` of the real heads (the atomic backward of 64-head tiles
+                 does this in ``main``'s prologue instead: :func:`_two_warpgroups`, ``fused``).
 ``main``         one CTA per (query row ``s``, batch ``b``, head group ``g``) walks the row's top-k
                  slots in key blocks of ``BK``; per block it gathers the latent rows through
                  clamped indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2``
@@ -27,7 +28,8 @@ re-run follows too.
 ``finish``       the fp32 dKV accumulator to bf16: the permuted columns back in order, the exact
                  mode's grids applied (``dKV = acc / InvGrid``, exact: powers of two).
 
-Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off.  Dynamic:
+Static (one compile each): head tile ``M``, ``Dk``, ``Dv``, key block, mode, dQ on/off, fused
+preprocess (and its lse format).  Dynamic:
 ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block), ``H_pad``.  ``sm_scale`` is a runtime
 value in the one-element tensor ``Scale``.  All kernels compile with ``settings.PASS_CONFIGS``.
 """
@@ -97,6 +99,29 @@ def add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i, 
     add_bounds(u_stage, Bound, BoundExp, Indices, b_i, s_i, k)
 
 
+@T.macro
+def sink_lse2(lse, sink2, natural):
+    """The base-2, sink-inclusive, finite lse the main kernels take (``Lse2``), from one row's
+    ``lse`` (fp32) and its sink in base 2, ``sink2 = sink log2 e`` (``-inf``: no sink): with
+    ``natural`` (a natural-log, sink-exclusive ``lse``) ``log2(2^(lse log2 e) + 2^sink2)``, else
+    ``lse`` as given; ``-inf`` (no key and no sink: every ``P`` is 0) becomes 0 and a NaN stays
+    NaN (``docs/conventions.md``, the bridge).  Shared by :func:`preprocess` and the fused
+    prologue of :func:`_two_warpgroups`."""
+    ninf = -T.infinity("float32")
+    lse2 = lse
+    if natural:
+        a = lse * LOG2E
+        hi = T.max(a, sink2)
+        # an infinite larger term is the result (also -inf for both, not -inf - -inf); max()
+        # drops a NaN, so a NaN lse is passed on as is (T.isnan: the simplifier folds x != x
+        # to false)
+        lse2 = T.if_then_else(
+            T.isnan(lse), lse,
+            T.if_then_else(hi == ninf or hi == -ninf, hi,
+                           hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
+    return T.if_then_else(lse2 == ninf, 0.0, lse2)
+
+
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int = 32,
                block_d: int = 128, threads: int = 128):
@@ -136,7 +161,6 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
     H = T.dynamic("H")
     H_pad = T.dynamic("H_pad")
     BR = block_rows
-    ninf = -T.infinity("float32")
 
     # with_do2: thread tx squares the 16-byte vector tx % TPR of rows i RPP + tx / TPR of each
     # column block: the elements TileLang gives it in acc (the layout both builds lower to)
@@ -183,20 +207,8 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
             if n < N:
                 row = n // H
                 h = n % H
-                lse = Lse[n]
                 sink2 = Sink[h] * LOG2E
-                lse2 = lse
-                if natural:
-                    a = lse * LOG2E
-                    hi = T.max(a, sink2)
-                    # an infinite larger term is the result (also -inf for both, not
-                    # -inf - -inf); max() drops a NaN, so a NaN lse is passed on as is
-                    # (T.isnan: the simplifier folds x != x to false)
-                    lse2 = T.if_then_else(
-                        T.isnan(lse), lse,
-                        T.if_then_else(hi == ninf or hi == -ninf, hi,
-                                       hi + T.log2(1.0 + T.exp2(T.min(a, sink2) - hi))))
-                lse2 = T.if_then_else(lse2 == ninf, 0.0, lse2)
+                lse2 = sink_lse2(Lse[n], sink2, natural)
                 Delta[row, h] = total[r]
                 Lse2[row, h] = lse2
                 DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
@@ -285,10 +297,11 @@ def finish(d_qk: int, permuted: bool, scaled: bool, block_rows: int = 8, threads
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = True,
-         block_k: int = 32, threads: int = 256, num_stages: int = 1, dkv_chunk: int = 128,
-         dkv_transposed: bool | None = None, warp_specialized: bool | None = None,
-         wg0_chunks: int | None = None, overlap: bool = False, w1_right: bool | None = None,
-         row_extent: bool = True):
+         block_k: int = 32, threads: int | None = None, num_stages: int | None = None,
+         dkv_chunk: int | None = None, dkv_transposed: bool | None = None,
+         warp_specialized: bool | None = None, wg0_chunks: int | None = None,
+         overlap: bool = False, w1_right: bool | None = None, row_extent: bool = True,
+         fused: bool = False, natural: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -340,6 +353,14 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     ``overlap`` gives the dKV warpgroup two accumulators (docs/performance.md, sixth and seventh
     sessions); ``row_extent`` (default) makes it walk a row only up to the block that holds its
     last slot with a key, rows last-first (``row_blocks``; ``False``: every block, a trial knob).
+    ``threads``, ``num_stages``, ``dkv_chunk``: ``None`` is 256, 1, 128.
+
+    ``fused=True`` (the two-warpgroup kernel only) also does the preprocess's work for its
+    rows: ``Lse2`` and ``Delta`` become outputs, and the kernel takes four more arguments
+    after ``BoundExp``: ``O [B, S, H, Dv] bf16`` (the forward output, the real heads,
+    ``H <= H_pad``), ``Lse [B, S, H] fp32`` (natural and sink-exclusive when ``natural``, else
+    base-2 and sink-inclusive), ``Sink [H] fp32`` (``-inf``: no sink) and the output
+    ``DSink [B, S, H_pad] fp32`` (each row's ``d_sink`` term); see :func:`_two_warpgroups`.
     """
     assert mode in ("atomic", "exact"), "mode is 'atomic' or 'exact'"
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
@@ -348,7 +369,11 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
         return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
-                               row_extent)
+                               row_extent, fused, natural)
+    assert not fused, "the fused preprocess is built into the two-warpgroup kernel only"
+    threads = 256 if threads is None else threads
+    num_stages = 1 if num_stages is None else num_stages
+    dkv_chunk = 128 if dkv_chunk is None else dkv_chunk
     exact = mode == "exact"
     if dkv_transposed is None:  # measured faster for 64-head tiles only (run 24)
         dkv_transposed = heads_per_cta == 64
@@ -560,7 +585,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool = False,
-                    w1_right: bool | None = None, row_extent: bool = True):
+                    w1_right: bool | None = None, row_extent: bool = True,
+                    fused: bool = False, natural: bool = True):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -600,6 +626,21 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     behind: warpgroup 0 waits for ``kv_free`` in every block, the last included, which holds it
     back until warpgroup 1 has read the previous block's ``u_w0`` (a review found that a
     conditional wait let ``u_ready`` run ahead in the last block).
+
+    ``fused`` (the preprocess in the prologue; arguments in :func:`main`): the CTA's ``dO``
+    tile is in shared memory anyway, so ``Delta``, ``Lse2`` and ``DSink`` of its 64 rows come
+    from it and the ``O`` tile, read once, instead of a launch that streams both from HBM.
+    Thread ``t`` of 256 takes row ``t // 4`` and columns ``[p 64, p 64 + 64)`` of each half
+    (``p = t % 4``): its 16-byte loads of ``O`` (0 at pad heads) are issued before the wait for
+    the query tile, so that they fly with its ``cp.async``; after it, the products with ``dO``
+    in fp32, added in a fixed order, then a butterfly over the row's four lanes.  Lane 0 of
+    each row applies :func:`sink_lse2`, writes the row's three values to global memory (0 at
+    pad heads, as the preprocess) and ``Lse2`` / ``Delta`` to shared memory (``rows_s``, 512
+    bytes), where warpgroup 0 reads them after a CTA barrier.  Deterministic (no atomics);
+    ``Delta`` is summed in another order than the preprocess's, so the results differ from the
+    unfused kernel's at fp32 rounding only.  ptxas (CUDA 13.0) then spills ~180 bytes in
+    warpgroup 0's key loop (8 unfused), also when only ``Lse2`` / ``Delta`` come from shared
+    memory instead of the read-only global inputs: to be weighed against the launch it saves.
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
@@ -628,6 +669,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     S_kv = T.dynamic("S_kv")
     L = T.dynamic("L")
     H_pad = T.dynamic("H_pad")
+    H = T.dynamic("H")  # fused: the real heads of O, Lse and Sink
+    PC = DH // 4  # fused: the columns of each half one thread multiplies
+    VEC = 8  # bf16 per 16-byte load
 
     def slot_row(t):
         # the first of the two accumulator rows (slots of the key block) thread t of a warpgroup
@@ -767,22 +811,70 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, e0, e1, e2, e3, r4,
                                   slot, inv_l, u_l, dKV_acc, b_i, pds_free)
 
-    @T.prim_func
-    def sparse_bwd_two_wg(
-        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
-        KV: T.Tensor([B, S_kv, d_qk], dtype),
-        dO: T.Tensor([B, S, H_pad, D], dtype),
-        Indices: T.Tensor([B, S, L], "int32"),
-        Lse2: T.Tensor([B, S, H_pad], acc_t),
-        Delta: T.Tensor([B, S, H_pad], acc_t),
-        Scale: T.Tensor([1], acc_t),
-        InvGrid: T.Tensor([B, S_kv], acc_t),
-        Counts: T.Tensor([B, S], "int32"),
-        dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
-        dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
-        Bound: T.Tensor([B, S_kv], "int64"),
-        BoundExp: T.Tensor([B, S_kv], "int32"),
-    ):
+    @T.macro
+    def fused_loads(O, Lse, Sink, o_r, lse_r, b_i, s_i, h0, tx):
+        # the fused preprocess before the query tile's wait: thread tx's row tx // 4 of O,
+        # columns [p PC, p PC + PC) of each half (p = tx % 4), into registers (0 at pad heads),
+        # and the row's lse and base-2 sink (a pad head: 0 and -inf)
+        h = tx // 4
+        p = tx % 4
+        if h0 + h < H:
+            for half in T.unroll(2):
+                for i in T.unroll(PC // VEC):
+                    for e in T.vectorized(VEC):
+                        o_r[half * PC + i * VEC + e] = O[b_i, s_i, h0 + h,
+                                                         half * DH + p * PC + i * VEC + e]
+            lse_r[0] = Lse[b_i, s_i, h0 + h]
+            lse_r[1] = Sink[h0 + h] * LOG2E
+        else:
+            for i in T.unroll(2 * PC):
+                o_r[i] = T.Cast(dtype, 0)
+            lse_r[0] = 0
+            lse_r[1] = -T.infinity(acc_t)
+
+    @T.macro
+    def row_products(dO_h, o_r, do_r, lse_r, o0, h, p):
+        # lse_r[2] += the products of row h's columns [p PC, p PC + PC) of one half of dO
+        # (dO_h, 16 bytes at a time from shared memory) and of O (o_r[o0:])
+        for i in T.unroll(PC // VEC):
+            for e in T.vectorized(VEC):
+                do_r[e] = dO_h[h, p * PC + i * VEC + e]
+            for e in T.unroll(VEC):
+                lse_r[2] = lse_r[2] + T.Cast(acc_t, o_r[o0 + i * VEC + e]) * T.Cast(acc_t, do_r[e])
+
+    @T.macro
+    def fused_rows(dO_l, dO_r, o_r, do_r, lse_r, rows_s, Lse2, Delta, DSink, b_i, s_i, h0, tx):
+        # after the wait: Delta of row tx // 4 from its dO in shared memory, in a fixed order
+        # (each lane its 2 PC products in column order, then the butterfly, which gives all
+        # four lanes the same sum); lane 0 of the row writes it, Lse2 and DSink (0 at pad
+        # heads, as the preprocess) and hands Lse2 / Delta to warpgroup 0 (rows_s)
+        h = tx // 4
+        p = tx % 4
+        lse_r[2] = 0
+        row_products(dO_l, o_r, do_r, lse_r, 0, h, p)
+        row_products(dO_r, o_r, do_r, lse_r, PC, h, p)
+        lse_r[2] = lse_r[2] + T.shfl_xor(lse_r[2], 1)
+        lse_r[2] = lse_r[2] + T.shfl_xor(lse_r[2], 2)
+        if p == 0:
+            if h0 + h < H:
+                lse_r[3] = sink_lse2(lse_r[0], lse_r[1], natural)
+                Delta[b_i, s_i, h0 + h] = lse_r[2]
+                Lse2[b_i, s_i, h0 + h] = lse_r[3]
+                DSink[b_i, s_i, h0 + h] = -T.exp2(lse_r[1] - lse_r[3]) * lse_r[2]
+                rows_s[0, h] = lse_r[3]
+                rows_s[1, h] = lse_r[2]
+            else:
+                Delta[b_i, s_i, h0 + h] = 0.0
+                Lse2[b_i, s_i, h0 + h] = 0.0
+                DSink[b_i, s_i, h0 + h] = 0.0
+                rows_s[0, h] = 0.0
+                rows_s[1, h] = 0.0
+        T.sync_threads()  # rows_s: written by every warp, read by warpgroup 0
+
+    @T.macro
+    def body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
+             BoundExp, O, Lse, Sink, DSink):
+        # the kernel; O, Lse, Sink, DSink: None unless fused
         with T.Kernel(S, B, H_pad // M, threads=2 * WG) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
@@ -797,6 +889,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             dS_s = T.alloc_shared([M, BK], dtype)
             inv = T.alloc_shared([2, BK], acc_t)  # block k's key grids in row k % 2
             u_w0 = T.alloc_shared([2, BK], acc_t)  # warpgroup 0's slot maxima, row k % 2
+            # fused: the rows' Lse2 (row 0) and Delta (row 1) for warpgroup 0; the thread's O,
+            # a 16-byte piece of dO, and (lse, sink2, Delta, Lse2)
+            # (static shared memory: the liveness-based merge of the dynamic pool would hand
+            # its bytes to a buffer that is written while a slow warp of warpgroup 0 reads it)
+            rows_s = T.alloc_shared([2, M], acc_t, scope="shared") if fused else None
+            o_r = T.alloc_local([2 * PC], dtype) if fused else None
+            do_r = T.alloc_local([VEC], dtype) if fused else None
+            lse_r = T.alloc_local([4], acc_t) if fused else None
 
             q_ready = T.alloc_barrier(arrive_count=2 * WG)
             kl_full = T.alloc_barrier(arrive_count=WG)
@@ -843,6 +943,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
             load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
+            if fused:
+                fused_loads(O, Lse, Sink, o_r, lse_r, b_i, s_i, h0, tx)
             if row_extent:
                 row_key_blocks(Indices, b_i, s_i, tx, 2 * WG, BK, ext_v, ext_last, ext_warps, nb)
             else:
@@ -850,13 +952,21 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             NB = nb[0]
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
+            if fused:
+                fused_rows(dO_l, dO_r, o_r, do_r, lse_r, rows_s, Lse2, Delta, DSink, b_i, s_i, h0,
+                           tx)
 
             if tx < WG:
                 sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
                 sc[1] = Scale[0]
-                for h in T.Parallel(M):
-                    lse_f[h] = Lse2[b_i, s_i, h0 + h]
-                    delta_f[h] = Delta[b_i, s_i, h0 + h]
+                if fused:
+                    for h in T.Parallel(M):
+                        lse_f[h] = rows_s[0, h]
+                        delta_f[h] = rows_s[1, h]
+                else:
+                    for h in T.Parallel(M):
+                        lse_f[h] = Lse2[b_i, s_i, h0 + h]
+                        delta_f[h] = Delta[b_i, s_i, h0 + h]
                 T.fill(acc_dq_l, 0)
                 if not w1_right:
                     T.fill(acc_dq_t, 0)
@@ -969,5 +1079,50 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
                 if w1_right:
                     T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+
+    if not fused:
+        @T.prim_func
+        def sparse_bwd_two_wg(
+            Q: T.Tensor([B, S, H_pad, d_qk], dtype),
+            KV: T.Tensor([B, S_kv, d_qk], dtype),
+            dO: T.Tensor([B, S, H_pad, D], dtype),
+            Indices: T.Tensor([B, S, L], "int32"),
+            Lse2: T.Tensor([B, S, H_pad], acc_t),
+            Delta: T.Tensor([B, S, H_pad], acc_t),
+            Scale: T.Tensor([1], acc_t),
+            InvGrid: T.Tensor([B, S_kv], acc_t),
+            Counts: T.Tensor([B, S], "int32"),
+            dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
+            dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
+            Bound: T.Tensor([B, S_kv], "int64"),
+            BoundExp: T.Tensor([B, S_kv], "int32"),
+        ):
+            body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
+                 BoundExp, None, None, None, None)
+
+        return sparse_bwd_two_wg
+
+    @T.prim_func
+    def sparse_bwd_two_wg(
+        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
+        KV: T.Tensor([B, S_kv, d_qk], dtype),
+        dO: T.Tensor([B, S, H_pad, D], dtype),
+        Indices: T.Tensor([B, S, L], "int32"),
+        Lse2: T.Tensor([B, S, H_pad], acc_t),  # written
+        Delta: T.Tensor([B, S, H_pad], acc_t),  # written
+        Scale: T.Tensor([1], acc_t),
+        InvGrid: T.Tensor([B, S_kv], acc_t),
+        Counts: T.Tensor([B, S], "int32"),
+        dQ: T.Tensor([B, S, H_pad, d_qk], dtype),
+        dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
+        Bound: T.Tensor([B, S_kv], "int64"),
+        BoundExp: T.Tensor([B, S_kv], "int32"),
+        O: T.Tensor([B, S, H, D], dtype),
+        Lse: T.Tensor([B, S, H], acc_t),
+        Sink: T.Tensor([H], acc_t),
+        DSink: T.Tensor([B, S, H_pad], acc_t),
+    ):
+        body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
+             BoundExp, O, Lse, Sink, DSink)
 
     return sparse_bwd_two_wg
