@@ -226,7 +226,7 @@ def main():
         n, a = spec.split("=")
         providers[n] = Variant(bwd_extra=parse_static(a))
         do_fwd[n] = False
-    if not args.bwd:
+    if not args.bwd and not args.unfused:
         do_bwd["shipped"] = False
     if args.no_shipped:
         providers.pop("shipped")
