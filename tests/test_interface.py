@@ -100,14 +100,8 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     head = ("main", plan.heads_per_cta, plan.padded_heads, 128)
     finish = ("finish", plan.heads_per_cta, det)
     natural = lse_format == "natural"
-    if plan.heads_per_cta == 64:  # the preprocess fused into the (first) main kernel
-        fused = ("pre", natural)
-        if det:  # grid_rows sums |dO|^2 from dO itself; the re-run reads the first pass's rows
-            assert prov.calls[1:] == [("grid_rows",), ("grid_scatter",), ("grid_keys",),
-                                      head + ("exact", True, fused), ("rerun_plan",),
-                                      ("rerun_slots",), head + ("exact", False), finish]
-        else:
-            assert prov.calls[1:] == [head + ("atomic", True, fused), finish]
+    if not det and plan.heads_per_cta == 64:  # the preprocess fused into the atomic main
+        assert prov.calls[1:] == [head + ("atomic", True, ("pre", natural)), finish]
         return
     # the preprocess writes |dO|^2 for the grid estimate in the deterministic mode only
     assert prov.calls[1] == ("pre", natural, det)
@@ -376,9 +370,8 @@ class _SquareNormsSeen(CpuStandIn):
 def test_grid_estimate_takes_the_preprocess_square_norms(fw, H, block_h):
     """The deterministic backward asks the preprocess for |dO|^2 and hands exactly that tensor's
     values to grid_rows (with Dv): ``[B, S, H_pad]`` fp64, the sum of each (row, head)'s squared
-    dO, 0 at pad heads; with 64-head tiles (the preprocess fused into the main kernel) it hands
-    grid_rows dO itself.  Either way the first-pass grids are the ones a direct numpy
-    computation from q and dO gives.  The atomic backward launches no grid kernel."""
+    dO, 0 at pad heads; the first-pass grids are then the ones a direct numpy computation from q
+    and dO gives.  The atomic backward asks for none and launches no grid kernel."""
     B, S, S_kv, L = 2, 5, 70, 64
     q, kv, do, sk, idx = _case(fw, B, S, S_kv, H, L, True, seed=H + 50, empty_rows=(1,))
     prov = _SquareNormsSeen()
@@ -397,19 +390,13 @@ def test_grid_estimate_takes_the_preprocess_square_norms(fw, H, block_h):
     interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, block_h=block_h,
                                     provider=prov)
     h_pad = tiling.head_plan(H, block_h).padded_heads
+    (written,), ((d_v, read),) = prov.written, prov.read
+    assert d_v == DV and written.shape == (B * S, h_pad) and written.dtype == np.float64
+    assert np.array_equal(read.reshape(B * S, h_pad), written)
     do_f = to_numpy(do).astype(np.float64)
     want = np.zeros((B, S, h_pad))
     want[..., :H] = (do_f * do_f).sum(-1)
-    if tiling.head_plan(H, block_h).heads_per_cta == 64:
-        # the preprocess is fused into the main kernel: grid_rows gets dO itself (from_do)
-        ((d_v, read),) = prov.read
-        assert prov.written == [] and d_v == DV and read.shape == (B, S, H, DV)
-        np.testing.assert_array_equal(read.astype(np.float64), do_f)
-    else:
-        (written,), ((d_v, read),) = prov.written, prov.read
-        assert d_v == DV and written.shape == (B * S, h_pad) and written.dtype == np.float64
-        assert np.array_equal(read.reshape(B * S, h_pad), written)
-        np.testing.assert_allclose(read.reshape(B, S, h_pad), want, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(read.reshape(B, S, h_pad), want, rtol=1e-14, atol=0)
 
     # the grids from a direct computation: c_s = 4 sqrt(sum_h |dO_sh|^2 (kscale |q_sh|^2 +
     # 1 / Dv)) / L_s, E_j = sum over the rows naming key j of ceil(c_s 2^F), e_j from E_j
@@ -533,11 +520,11 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
             interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
                                             deterministic=det)
         assert [c[0] for c in prov.calls] == launched
-    # 64 heads: the main kernel does the preprocess's work and reads indices, so nothing
-    # runs before the checks raise but the deterministic grid_rows
+    # 64 heads: the atomic main kernel does the preprocess's work and reads indices, so
+    # nothing runs before the checks raise
     q, kv, do, sk, _ = _case(fw, 1, 4, 64, 64, 64, True, seed=6)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    for det, launched in ((False, []), (True, ["grid_rows"])):
+    for det, launched in ((False, []), (True, ["pre", "grid_rows"])):
         prov.calls.clear()
         with pytest.raises(ValueError, match="token_indices"):
             interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
@@ -596,7 +583,7 @@ def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw, H):
     ``ValueError`` before the call returns, and no kernel is ever handed one outside
     ``[-1, S_kv)``.  Good inputs give the same results as without the copy; int64 indices
     (no copy) still wait before the first kernel that dereferences an index.  With 64 heads
-    both backwards launch no preprocess (fused into the main kernel): the checks come first."""
+    the atomic backward's first launch is its main kernel (the preprocess fused into it)."""
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, H, 64, True, seed=7)
     plain = CpuStandIn()
     want_out, want_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=plain)
@@ -622,7 +609,7 @@ def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw, H):
         with pytest.raises(ValueError, match=r"token_indices.*\[-9, 1000000\]"):
             run()
         last = {"fwd": "fwd", "bwd_det": "finish", "bwd_atomic": "finish"}[name]
-        fused = name != "fwd" and H == 64
+        fused = name == "bwd_atomic" and H == 64
         assert prov.calls[0][0] == ("value_stats" if name == "fwd" or fused else "pre"), name
         assert prov.calls[-1][0] == last, (name, prov.calls)  # everything was queued first
         assert prov.seen and all(lo >= -1 and hi < 64 for lo, hi in prov.seen), (name, prov.seen)

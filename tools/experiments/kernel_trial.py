@@ -18,7 +18,7 @@ the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel w
 chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
-checks on (off by default: kernels and host only).  ``--unfused`` times each backward
+checks on (off by default: kernels and host only).  ``--unfused`` times the atomic backward
 twice per provider, with the preprocess fused into the 64-head main kernel
 (``interface.FUSED_PREPROCESS``, the default) and as a launch of its own, and prints the
 relative error between the two and whether the fused one repeats dq and d_sink bit for bit.
@@ -100,7 +100,7 @@ class Variant(interface.TileLangKernels):
 
 #: check_indices of every timed call (--check-indices)
 CHECK = False
-#: time each backward with and without the fused preprocess (--unfused)
+#: time the atomic backward with and without the fused preprocess (--unfused)
 UNFUSED = False
 
 def median_ms(fn, reps):
@@ -145,7 +145,7 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
         if not do_bwd.get(pname, True):
             continue
         for det in dets:
-            both = UNFUSED
+            both = UNFUSED and not det
             fused_r = None
             for fused in ((True, False) if both else (shipped_fused,)):
                 interface.FUSED_PREPROCESS = fused
@@ -189,10 +189,9 @@ def precompile(providers, jobs=16):
             for m in (32, 64):
                 for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
                     keys.add(("bwd_main", main_args(m, mode, dq) + prov.bwd_extra))
-            if prov.fused_preprocess_tiles:  # the fused first passes (our forward's lse)
-                for mode in ("exact", "atomic"):
-                    keys.add(("bwd_main", main_args(64, mode, True) + prov.bwd_extra
-                              + MAIN_KNOB_DEFAULTS[len(prov.bwd_extra):] + (True, True)))
+            if prov.fused_preprocess_tiles:  # the fused atomic kernel (our forward's lse)
+                keys.add(("bwd_main", main_args(64, "atomic", True) + prov.bwd_extra
+                          + MAIN_KNOB_DEFAULTS[len(prov.bwd_extra):] + (True, True)))
     t = time.time()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name, a, dt, err in pool.map(_build_one, *zip(*[(n, a, False) for n, a in keys])):
@@ -211,7 +210,7 @@ def main():
     ap.add_argument("--check-indices", action="store_true",
                     help="calls with the value checks on (default off: kernels and host only)")
     ap.add_argument("--unfused", action="store_true",
-                    help="each backward also with the separate preprocess (A/B of the fused one)")
+                    help="atomic backward also with the separate preprocess (A/B of the fused one)")
     args = ap.parse_args()
     global CHECK, UNFUSED
     CHECK = args.check_indices

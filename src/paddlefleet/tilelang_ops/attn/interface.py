@@ -366,15 +366,13 @@ def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=Non
 
 
 def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, do2,
-               sm_scale, finish=None, pre=None):
+               sm_scale, finish=None):
     """Deterministic dKV and dq, exact on per-key grids: returns ``(acc, inv_grid)``, the
     accumulator (fp32 ``[B, S_kv, Dk]``, in grid units, the provider's column order) and the
     inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).
 
     Pass 1 (``main``, exact mode, with dq) on the grids of :func:`_grid_estimate` (from
-    ``query``, the real heads, and ``do2``, the preprocess's ``|dO|^2``, or ``dO`` itself when
-    the main kernel does the preprocess's work, ``pre``: the first pass then writes ``lse2``
-    and ``delta``, which the re-run reads): every
+    ``query``, the real heads, and ``do2``, the preprocess's ``|dO|^2``): every
     contribution ``c`` to key ``j`` becomes the integer ``k = round(c / g_j)`` and is added in
     fp32; the kernel also sums exactly, in int64,
     ``Bound_j = sum over contributions of ceil(u)``, ``u = max_d |c_d / g_j|`` taken before the
@@ -406,10 +404,8 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
     counts = ops.full((b, s), l, "int32", q)
-    # pre ({"pre": FusedPreprocess} or {}): the first pass also writes lse2 / delta (fused
-    # preprocess), which the re-run reads
     provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
-                      inv_grid, counts, dq, acc, bound, bound_exp, **(pre or {}))
+                      inv_grid, counts, dq, acc, bound, bound_exp)
 
     # per key: re-run or not (over), the re-run grid (inv_grid *= 2^t), its accumulator cleared;
     # per batch: any key re-run (any_over: the plan only ever raises it, so it starts at 0)
@@ -562,11 +558,10 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     returns, or, without a safe copy of the indices (:func:`_pending_checks`), before the
     first kernel that dereferences one (the deterministic mode's ``grid_scatter``, the atomic
     mode's ``main``), so that the GPU works while their numbers reach the host (run 41: a sync
-    first had left it idle for ~0.3-0.5 ms of host time per call).  On a tile the provider
-    fuses (:func:`_fuses_preprocess`, :data:`FUSED_PREPROCESS`) neither mode launches a
-    preprocess: the main kernel (the deterministic mode's first pass) does that work (it reads
-    indices, so it still waits for the checks first when there is no safe copy), and the
-    deterministic mode's ``grid_rows`` sums ``|dO|^2`` from dO itself."""
+    first had left it idle for ~0.3-0.5 ms of host time per call).  The atomic mode on a tile
+    the provider fuses (:func:`_fuses_preprocess`, :data:`FUSED_PREPROCESS`) launches no
+    preprocess: its main kernel does that work (it reads indices, so it still waits for the
+    checks first when there is no safe copy)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
@@ -585,12 +580,10 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
     delta_p = ops.empty((B, S, h_pad), "float32", do_c)
     lse2_p = ops.empty((B, S, h_pad), "float32", do_c)
     d_sink_rows = ops.empty((B * S, h_pad), "float32", do_c)
+    do2 = ops.empty((B, S, h_pad), "float64", do_c) if deterministic else None
     sink_h = _sink_vector(ops, attn_sink, H, H, lse_f)
-    fused = FUSED_PREPROCESS and _fuses_preprocess(provider, plan.heads_per_cta)
-    # the grid estimate's |dO|^2: from the preprocess (fp64 [B, S, H_pad]), or, fused, summed
-    # by grid_rows from dO itself (its from_do variant)
-    do2 = (do_c if fused else ops.empty((B, S, h_pad), "float64", do_c)) if deterministic \
-        else None
+    fused = (FUSED_PREPROCESS and not deterministic
+             and _fuses_preprocess(provider, plan.heads_per_cta))
     if not fused:
         provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S * H, dims.Dv)),
                                 ops.reshape(do_c, (B * S * H, dims.Dv)),
@@ -598,9 +591,6 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
                                 ops.reshape(delta_p, (B * S, h_pad)),
                                 ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
                                 *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
-    # fused: lse2_p, delta_p and d_sink_rows are written by the (first) main kernel
-    pre = {"pre": FusedPreprocess(lse_format == "natural", out_c, lse_f, sink_h,
-                                  ops.reshape(d_sink_rows, (B, S, h_pad)))} if fused else {}
     indices, before, after = _pending_checks(values, token_indices)
     with _checks_last(after):
         query_c = ops.contiguous(query)
@@ -613,10 +603,13 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
         dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
         if deterministic:
             acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                       scale, dq, query_c, do2, sm_scale, before, pre)
+                                       scale, dq, query_c, do2, sm_scale, before)
         else:
             acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
             inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
+            # fused: lse2_p, delta_p and d_sink_rows are written by the main kernel
+            pre = {"pre": FusedPreprocess(lse_format == "natural", out_c, lse_f, sink_h,
+                                          ops.reshape(d_sink_rows, (B, S, h_pad)))} if fused else {}
             if before is not None:
                 before()  # before the first kernel that dereferences an index
             provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
