@@ -394,13 +394,10 @@ class CpuStandIn:
 
     def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
         # q [B, S, H, Dk] bf16 (the real heads); do2 [B, S, H_pad] fp64, |dO|^2 (the
-        # preprocess's): only its first H heads are read; or dO [B, S, H, Dv] bf16 itself
+        # preprocess's): only its first H heads are read
         self.calls.append(("grid_rows",))
         Q = to_numpy(q).astype(np.float64)
-        DO2 = to_numpy(do2)
-        if DO2.ndim == 4:  # dO: the kernel's from_do variant sums the squares
-            DO2 = (DO2.astype(np.float64) ** 2).sum(-1)
-        DO2 = DO2[:, :, :Q.shape[2]]
+        DO2 = to_numpy(do2)[:, :, :Q.shape[2]]
         assert DO2.dtype == np.float64, DO2.dtype
         norm = np.float64(to_numpy(kv_norm).reshape(-1)[0])
         kscale = norm * norm * np.float64(kv_coef)

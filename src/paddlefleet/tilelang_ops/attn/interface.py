@@ -195,10 +195,7 @@ class TileLangKernels:
 
     # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
     def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
-        # do2: the preprocess's fp64 |dO|^2 [B, S, H_pad], or dO [B, S, H, Dv] bf16 itself
-        # (no preprocess ran: the kernel sums the squares)
-        from_do = ops_for(do2).dtype(do2) == "bfloat16"
-        key = ("grid_rows", int(q.shape[-1]), int(d_v)) + ((True,) if from_do else ())
+        key = ("grid_rows", int(q.shape[-1]), int(d_v))
         self._kernel(key)(q, do2, indices, kv_norm, c_row, float(kv_coef))
 
     def exact_grid_scatter(self, c_row, top, indices, est):

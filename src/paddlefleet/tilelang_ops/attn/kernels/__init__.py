@@ -81,8 +81,7 @@ def specs(heads=HEAD_TILES) -> list:
            # the preprocess per lse format, without (atomic) and with |dO|^2 (deterministic)
            *[("bwd_pre", pre_args(natural, with_do2))
              for with_do2 in (False, True) for natural in (True, False)],
-           ("grid_rows", (D_QK, D_V)), ("grid_rows", (D_QK, D_V, True)),
-           ("grid_scatter", ()), ("grid_keys", ()),
+           ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()), ("grid_keys", ()),
            ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
     for m in heads:
         out.append(("fwd", (m, D_QK, D_V)))

@@ -68,7 +68,7 @@ def _warp_sum(x):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def grid_rows(d_qk: int, d_v: int, from_do: bool = False, threads: int = 256):
+def grid_rows(d_qk: int, d_v: int, threads: int = 256):
     """``CRow [B, S] fp64`` from ``Q [B, S, H, Dk]`` (bf16, the real heads), ``DO2 [B, S, H_pad]
     fp64`` (``|dO_sh|^2``, written by the backward's preprocess, ``sparse_bwd.preprocess`` with
     ``with_do2``: the fp64 sum of the bf16 ``dO`` row's squares, each exact, in a fixed order;
@@ -83,16 +83,10 @@ def grid_rows(d_qk: int, d_v: int, from_do: bool = False, threads: int = 256):
     squares in fp64 and sums; a butterfly gives the head's ``|q|^2`` to every lane, which adds
     ``DO2[b, s, h] (kscale |q|^2 + 1 / Dv)`` to the warp's sum.  The warps' sums over their
     heads and their valid-slot counts meet in shared memory and thread 0 adds them in warp
-    order.  Every order is fixed: the result is repeatable bit for bit.
-
-    ``from_do``: the second argument is ``dO [B, S, H, Dv] bf16`` itself and the head's warp
-    sums ``|dO_sh|^2`` as it sums ``|q_sh|^2`` (fp64, the same fixed order): for the backward
-    whose main kernel computes Delta itself (64-head tiles), which runs no preprocess to take
-    ``|dO|^2`` from.  Its ``|dO|^2`` is added in another order than the preprocess's, so the
-    two variants may pick grids an ulp apart; each is repeatable."""
-    assert d_qk % VEC == 0 and d_v % VEC == 0 and threads % WARP == 0
+    order.  Every order is fixed: the result is repeatable bit for bit."""
+    assert d_qk % VEC == 0 and threads % WARP == 0
     NW = threads // WARP
-    QV, OV = d_qk // VEC, d_v // VEC  # 16-byte vectors per head row
+    QV = d_qk // VEC  # 16-byte vectors per head row
     B = T.dynamic("B")
     S = T.dynamic("S")
     H = T.dynamic("H")
@@ -111,15 +105,20 @@ def grid_rows(d_qk: int, d_v: int, from_do: bool = False, threads: int = 256):
                     acc[0] = acc[0] + T.Cast("float64", vec[e]) * T.Cast("float64", vec[e])
         _warp_sum(acc)
 
-    @T.macro
-    def body(Q, DO, Indices, KvNorm, CRow, kv_coef):
-        # DO: DO2 [B, S, H_pad] fp64, or dO [B, S, H, Dv] bf16 with from_do
+    @T.prim_func
+    def exact_grid_rows(
+        Q: T.Tensor([B, S, H, d_qk], "bfloat16"),
+        DO2: T.Tensor([B, S, H_pad], "float64"),
+        Indices: T.Tensor([B, S, L], "int32"),
+        KvNorm: T.Tensor([1], "float32"),
+        CRow: T.Tensor([B, S], "float64"),
+        kv_coef: T.float64,
+    ):
         with T.Kernel(S, B, threads=threads) as (s_i, b_i):
             w_part = T.alloc_shared([NW], "float64")
             n_part = T.alloc_shared([NW], "int32")
             qv = T.alloc_local([VEC], "bfloat16")
             q2 = T.alloc_local([1], "float64")
-            o2 = T.alloc_local([1], "float64")
             w = T.alloc_local([1], "float64")
             n = T.alloc_local([1], "int32")
             kscale = T.alloc_local([1], "float64")
@@ -132,11 +131,7 @@ def grid_rows(d_qk: int, d_v: int, from_do: bool = False, threads: int = 256):
             for hh in T.serial(T.ceildiv(H, NW)):
                 if hh * NW + warp < H:  # the same for the whole warp: its shuffles stay whole
                     sum_squares(Q, QV, b_i, s_i, hh * NW + warp, lane, qv, q2)
-                    if from_do:
-                        sum_squares(DO, OV, b_i, s_i, hh * NW + warp, lane, qv, o2)
-                    else:
-                        o2[0] = DO[b_i, s_i, hh * NW + warp]
-                    w[0] = w[0] + o2[0] * (kscale[0] * q2[0] + 1.0 / d_v)
+                    w[0] = w[0] + DO2[b_i, s_i, hh * NW + warp] * (kscale[0] * q2[0] + 1.0 / d_v)
             n[0] = 0
             for i in T.serial(T.ceildiv(L, threads)):
                 if i * threads + tx < L:
@@ -153,31 +148,6 @@ def grid_rows(d_qk: int, d_v: int, from_do: bool = False, threads: int = 256):
                     n_part[0] = n_part[0] + n_part[k]
                 CRow[b_i, s_i] = 4.0 * T.sqrt(w_part[0]) / T.Cast(
                     "float64", T.max(n_part[0], 1))
-
-    if from_do:
-        @T.prim_func
-        def exact_grid_rows(
-            Q: T.Tensor([B, S, H, d_qk], "bfloat16"),
-            dO: T.Tensor([B, S, H, d_v], "bfloat16"),
-            Indices: T.Tensor([B, S, L], "int32"),
-            KvNorm: T.Tensor([1], "float32"),
-            CRow: T.Tensor([B, S], "float64"),
-            kv_coef: T.float64,
-        ):
-            body(Q, dO, Indices, KvNorm, CRow, kv_coef)
-
-        return exact_grid_rows
-
-    @T.prim_func
-    def exact_grid_rows(
-        Q: T.Tensor([B, S, H, d_qk], "bfloat16"),
-        DO2: T.Tensor([B, S, H_pad], "float64"),
-        Indices: T.Tensor([B, S, L], "int32"),
-        KvNorm: T.Tensor([1], "float32"),
-        CRow: T.Tensor([B, S], "float64"),
-        kv_coef: T.float64,
-    ):
-        body(Q, DO2, Indices, KvNorm, CRow, kv_coef)
 
     return exact_grid_rows
 
