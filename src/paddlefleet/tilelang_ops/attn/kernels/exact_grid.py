@@ -302,8 +302,8 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
     in their order, ``-1`` after them; ``Counts [B, S]`` how many.  One CTA per row, in passes
     of ``rounds * threads`` slots: every thread loads its ``rounds`` slots and their keys'
     flags first (independent loads), then per round a warp ballot gives each flagged slot its
-    place among its warp's, shared memory the warps' counts.  Every slot of ``Idx2`` is written
-    exactly once.
+    place among its warp's, shared memory the warps' counts.  In a flagged batch every slot of
+    ``Idx2`` is written exactly once (the other batches: below).
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
     (``AnyOver[b] = 0``) reads neither ``Indices`` nor ``Over``, writes ``Counts = 0`` and

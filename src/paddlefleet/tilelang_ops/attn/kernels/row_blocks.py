@@ -42,7 +42,9 @@ def row_key_blocks(Indices, b_i, s_i, tx, threads, block, v, last, warp_last, nb
     """``nb[0]``: the blocks of ``block`` slots of row ``(b_i, s_i)`` up to and including the
     one that holds its last slot with a key (``>= 0``), at least 1 (a row without keys walks
     one masked block, as before).  Every one of the CTA's ``threads`` threads calls it (it ends
-    in a CTA barrier) and gets the same value; scratch from :func:`alloc_scratch`.  Each thread
+    in a CTA barrier) and gets the same value; scratch from :func:`alloc_scratch`.  The kernels
+    need ``L >= block`` (the host pads the top-k to a multiple of it): ``nb >= 1`` always walks
+    block 0, which the 64-head backward gathers before this count.  Each thread
     loads 8 slots per pass, all before it looks at them (a 2048-slot row is one pass of 256
     threads), then a warp butterfly and the warps' maxima through shared memory.  Call it
     before a long wait (the query tile's), so that its loads fly under that one (run 47: a scan
