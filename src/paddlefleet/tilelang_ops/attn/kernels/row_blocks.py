@@ -17,7 +17,7 @@ from tilelang import language as T  # noqa: E402
 __all__ = ["alloc_scratch", "row_key_blocks", "last_row_first"]
 
 WARP = 32
-VEC = 4  # int32 per 16-byte load
+VEC = 4  # slots per thread and unrolled group (loaded together, guarded by L: not vectorised)
 
 
 def last_row_first(bx, S):

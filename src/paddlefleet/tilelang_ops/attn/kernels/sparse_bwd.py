@@ -635,12 +635,13 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     the query tile, so that they fly with its ``cp.async``; after it, the products with ``dO``
     in fp32, added in a fixed order, then a butterfly over the row's four lanes.  Lane 0 of
     each row applies :func:`sink_lse2`, writes the row's three values to global memory (0 at
-    pad heads, as the preprocess) and ``Lse2`` / ``Delta`` to shared memory (``rows_s``, 512
-    bytes), where warpgroup 0 reads them after a CTA barrier.  Deterministic (no atomics);
+    pad heads, as the preprocess) and ``Lse2`` / ``Delta`` to static shared memory (``rows_s``,
+    512 bytes), where warpgroup 0 reads them after a CTA barrier.  Deterministic (no atomics);
     ``Delta`` is summed in another order than the preprocess's, so the results differ from the
-    unfused kernel's at fp32 rounding only.  ptxas (CUDA 13.0) then spills ~180 bytes in
-    warpgroup 0's key loop (8 unfused), also when only ``Lse2`` / ``Delta`` come from shared
-    memory instead of the read-only global inputs: to be weighed against the launch it saves.
+    unfused kernel's at fp32 rounding only.  ptxas (CUDA 13.0): 12-20 bytes of spill, as
+    unfused; with ``rows_s`` in the dynamic pool it spilled ~180 bytes in warpgroup 0's key loop.
+    Run 49: atomic ``ref`` 7.956 -> 7.865 ms against the separate preprocess; the deterministic
+    backward keeps the separate one (fused, its ``grid_rows`` must read dO: no gain).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
