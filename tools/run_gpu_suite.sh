@@ -4,21 +4,24 @@
 #   1. unpack the TileLang bundle (.gpu/tilelang-*.tar.xz) into /tmp/site if tilelang is missing
 #      (tools/gpu_env.sh, shared with tools/bench/run.sh)
 #   2. precompile every kernel specialisation in parallel (tools/precompile.py)
-#   3. pytest with PyTorch: tests/single_card_tests + the CPU tests of the host logic and of the
-#      kernels' compilation (tests/test_interface.py, tests/test_tiling.py,
-#      tests/test_kernel_compile.py)
-#   4. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
+#   3. the benchmark (tools/bench/run.sh, when present; $BENCH_ARGS, default
+#      "--quick --budget-s 240"), first: on a GPU that the tests have not warmed (runs 45-52:
+#      the forward moved by ~10% between a cool and a warm H200)
+#   4. pytest with PyTorch: tests/single_card_tests, and beside it, in a second process, the CPU
+#      tests of the host logic and of the kernels' compilation (tests/test_interface.py,
+#      tests/test_tiling.py, tests/test_kernel_compile.py: they do not touch the GPU, and run
+#      50's single pytest process of both took 7.6 minutes)
+#   5. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
 #      compute-sanitizer exists
-#   5. stage timing at the reference shape (tools/bench/bench_sparse_mqa.py --stages: each
+#   6. stage timing at the reference shape (tools/bench/bench_sparse_mqa.py --stages: each
 #      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
 #      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
-#   6. the benchmark (tools/bench/run.sh, when present; $BENCH_ARGS, default
-#      "--quick --budget-s 240", keeps the whole suite inside a 10-minute call)
-# Logs: $OUT/suite.log and $OUT/pytest.log (or ./gpu-suite-logs/ without $OUT); the benchmark
-# writes $OUT/bench/.  Usage:
+# Logs: $OUT/suite.log, $OUT/pytest.log (GPU tests) and $OUT/pytest-cpu.log (or
+# ./gpu-suite-logs/ without $OUT); the benchmark writes $OUT/bench/.  Usage:
 #   bash tools/run_gpu_suite.sh [--quick | --no-bench]
-#     --quick: skip memcheck and benchmark; --no-bench: skip the benchmark only
-# Exit status: pytest's, else memcheck's (the other steps only log).
+#     --quick: skip the benchmark and memcheck; --no-bench: skip the benchmark only
+# Exit status: pytest's (the GPU tests', else the CPU tests'), else memcheck's (the other steps
+# only log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -46,13 +49,25 @@ step versions
 step precompile
 python3 tools/precompile.py --jobs "$(nproc)" 2>&1 | grep -v "TileLang:" | tee -a "$SUITE"
 
+if [[ $BENCH == 1 && -f tools/bench/run.sh ]]; then
+  step benchmark
+  BENCH_ARGS=${BENCH_ARGS:---quick --budget-s 240} bash tools/bench/run.sh 2>&1 \
+    | grep -v "TileLang:" | tail -60 | tee -a "$SUITE"
+fi
+
 step pytest
-# --durations: the slowest tests go into pytest.log (run 50's pytest step took 7.6 minutes and
-# the caller's time limit cut off memcheck and the benchmark after it)
-python3 -m pytest -q -s -p no:cacheprovider --durations=25 tests/single_card_tests \
-  tests/test_interface.py tests/test_tiling.py tests/test_kernel_compile.py 2>&1 \
+# --durations: the slowest tests go into the logs
+python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_interface.py \
+  tests/test_tiling.py tests/test_kernel_compile.py > "$LOG/pytest-cpu.log" 2>&1 &
+CPU_TESTS=$!
+python3 -m pytest -q -s -p no:cacheprovider --durations=25 tests/single_card_tests 2>&1 \
   | tee "$LOG/pytest.log" | grep -E "^\[|passed|failed|error" | tee -a "$SUITE"
 RC=${PIPESTATUS[0]}
+wait "$CPU_TESTS"
+RC_CPU=$?
+echo "CPU tests (host logic, kernel lowering):" | tee -a "$SUITE"
+grep -E "passed|failed|error" "$LOG/pytest-cpu.log" | tail -5 | tee -a "$SUITE"
+[[ $RC != 0 ]] || RC=$RC_CPU
 
 if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
   step memcheck
@@ -74,11 +89,6 @@ python3 tools/bench/bench_sparse_mqa.py --stages --shapes ref --no-ref --no-chec
   --no-sink --reps 10 --warmup 3 --matmul-n 0 --copy-mb 0 --no-plot --no-progress \
   --out "$LOG/stages" 2>&1 | grep -v "TileLang:" | tee -a "$SUITE"
 
-if [[ $BENCH == 1 && -f tools/bench/run.sh ]]; then
-  step benchmark
-  BENCH_ARGS=${BENCH_ARGS:---quick --budget-s 240} bash tools/bench/run.sh 2>&1 \
-    | grep -v "TileLang:" | tail -60 | tee -a "$SUITE"
-fi
 step done
 echo "pytest exit status $RC" | tee -a "$SUITE"
 exit "$RC"
