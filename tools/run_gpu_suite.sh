@@ -5,8 +5,9 @@
 #      (tools/gpu_env.sh, shared with tools/bench/run.sh)
 #   2. precompile every kernel specialisation in parallel (tools/precompile.py)
 #   3. the benchmark (tools/bench/run.sh, when present; $BENCH_ARGS, default
-#      "--quick --budget-s 240"), first: on a GPU that the tests have not warmed (runs 45-52:
-#      the forward moved by ~10% between a cool and a warm H200)
+#      "--quick --budget-s 240"), first: on a GPU that the tests have not loaded, the same state
+#      in every run (runs 53-55 found the forward's spread between processes just as large on a
+#      GPU at rest, so this keeps runs comparable rather than faster)
 #   4. pytest with PyTorch: tests/single_card_tests, and beside it, in a second process, the CPU
 #      tests of the host logic and of the kernels' compilation (tests/test_interface.py,
 #      tests/test_tiling.py, tests/test_kernel_compile.py: they do not touch the GPU, and run
