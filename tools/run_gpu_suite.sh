@@ -8,21 +8,22 @@
 #      "--quick --budget-s 240"), first: on a GPU that the tests have not loaded, the same state
 #      in every run (runs 53-55 found the forward's spread between processes just as large on a
 #      GPU at rest, so this keeps runs comparable rather than faster)
-#   4. pytest with PyTorch: tests/single_card_tests, and beside it, in a second process, the CPU
-#      tests of the host logic and of the kernels' compilation (tests/test_interface.py,
-#      tests/test_tiling.py, tests/test_kernel_compile.py: they do not touch the GPU, and run
-#      50's single pytest process of both took 7.6 minutes)
+#   4. pytest with PyTorch: tests/single_card_tests, and beside it, in two more processes, the
+#      CPU tests of the host logic and of the kernels' compilation (tests/test_interface.py,
+#      tests/test_tiling.py, tests/test_kernel_compile.py, the preprocess's slow lowerings in
+#      the second: they do not touch the GPU; run 50's single pytest process took 7.6 minutes,
+#      run 54's GPU tests 88 s beside 322 s of CPU tests in one process)
 #   5. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
 #      compute-sanitizer exists
 #   6. stage timing at the reference shape (tools/bench/bench_sparse_mqa.py --stages: each
 #      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
 #      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
-# Logs: $OUT/suite.log, $OUT/pytest.log (GPU tests) and $OUT/pytest-cpu.log (or
-# ./gpu-suite-logs/ without $OUT); the benchmark writes $OUT/bench/.  Usage:
+# Logs: $OUT/suite.log, $OUT/pytest.log (GPU tests), $OUT/pytest-cpu.log and pytest-cpu2.log
+# (or ./gpu-suite-logs/ without $OUT); the benchmark writes $OUT/bench/.  Usage:
 #   bash tools/run_gpu_suite.sh [--quick | --no-bench]
 #     --quick: skip the benchmark and memcheck; --no-bench: skip the benchmark only
-# Exit status: pytest's (the GPU tests', else the CPU tests'), else memcheck's (the other steps
-# only log).
+# Exit status: pytest's (the GPU tests', else the CPU tests' processes'), else memcheck's (the
+# other steps only log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,18 +58,29 @@ if [[ $BENCH == 1 && -f tools/bench/run.sh ]]; then
 fi
 
 step pytest
-# --durations: the slowest tests go into the logs
-python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_interface.py \
-  tests/test_tiling.py tests/test_kernel_compile.py > "$LOG/pytest-cpu.log" 2>&1 &
+# --durations: the slowest tests go into the logs.  The CPU tests run beside the GPU tests in
+# two more processes: the lowering tests of the backward's preprocess (its two lowerings took
+# 74 and 64 s of run 54's 322 s of CPU tests) apart from the other lowering tests
+PRE_TESTS="bwd_pre or preprocess or pre_do2"
+python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_kernel_compile.py \
+  -k "not ($PRE_TESTS)" > "$LOG/pytest-cpu.log" 2>&1 &
 CPU_TESTS=$!
+python3 -m pytest -q -s -p no:cacheprovider --durations=10 tests/test_interface.py \
+  tests/test_tiling.py tests/test_kernel_compile.py -k "not test_kernel_compile or $PRE_TESTS" \
+  > "$LOG/pytest-cpu2.log" 2>&1 &
+CPU_TESTS2=$!
 python3 -m pytest -q -s -p no:cacheprovider --durations=25 tests/single_card_tests 2>&1 \
   | tee "$LOG/pytest.log" | grep -E "^\[|passed|failed|error" | tee -a "$SUITE"
 RC=${PIPESTATUS[0]}
 wait "$CPU_TESTS"
 RC_CPU=$?
-echo "CPU tests (host logic, kernel lowering):" | tee -a "$SUITE"
-grep -E "passed|failed|error" "$LOG/pytest-cpu.log" | tail -5 | tee -a "$SUITE"
+wait "$CPU_TESTS2"
+RC_CPU2=$?
+echo "CPU tests (host logic, kernel lowering), two processes:" | tee -a "$SUITE"
+grep -hE "passed|failed|error" "$LOG/pytest-cpu.log" "$LOG/pytest-cpu2.log" | tail -10 \
+  | tee -a "$SUITE"
 [[ $RC != 0 ]] || RC=$RC_CPU
+[[ $RC != 0 ]] || RC=$RC_CPU2
 
 if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
   step memcheck
