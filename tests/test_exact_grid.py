@@ -281,21 +281,36 @@ def test_rerun_slots_never_read_an_index_outside_the_keys(fw):
     assert to_numpy(idx2).tolist() == [[[2, 0, -1, -1, -1]]] and to_numpy(counts).tolist() == [[2]]
 
 
+def _framework_reference(fw, state, idx, n_max):
+    """A first-pass ``state`` (bound, bound_exp, inv_grid, acc) and ``idx`` as framework tensors,
+    their ops, and the former framework plan's over with its compaction (idx2, counts)."""
+    t = [fw.t(a) for a in state]
+    idx_t = fw.t(idx)
+    ops = ops_for(idx_t)
+    ref_over, _, _ = _framework_plan(ops, *t, n_max)
+    ref_idx2, ref_counts = _framework_slots(ops, ref_over, idx_t)
+    return t, idx_t, ops, ref_over, ref_idx2, ref_counts
+
+
+def _stand_in_plan(ops, t, idx_t, n_max):
+    """The stand-in's re-run plan of the state ``t``: ``(provider, over, any_over)``."""
+    B, S_kv = ops.shape(t[0])
+    over = ops.empty((B, S_kv), "int32", idx_t)
+    any_over = ops.zeros((B,), "int32", idx_t)
+    prov = CpuStandIn()
+    prov.exact_rerun_plan(*t, over, any_over, n_max, EXACT, COARSE)
+    return prov, over, any_over
+
+
 def test_rerun_slots_match_the_framework_compaction_of_a_plan(fw, rng):
     """The former compaction code on the former plan's over of a first-pass state, and the
     stand-in's slots on the stand-in plan's over: the same idx2 and counts."""
     B, S, S_kv, L, n_max = 2, 10, 300, 64, 10.0
     bound, bexp, inv, acc = exact_first_pass_state(rng, B, S_kv, n_max)
     idx = distinct_indices(rng, B, S, S_kv, L, used_keys=S_kv - 20, empty_rows=(0,))
-    t = [fw.t(a) for a in (bound, bexp, inv, acc)]
-    idx_t = fw.t(idx)
-    ops = ops_for(idx_t)
-    ref_over, _, _ = _framework_plan(ops, *t, n_max)
-    ref_idx2, ref_counts = _framework_slots(ops, ref_over, idx_t)
-    over = ops.empty((B, S_kv), "int32", idx_t)
-    any_over = ops.zeros((B,), "int32", idx_t)
-    prov = CpuStandIn()
-    prov.exact_rerun_plan(*t, over, any_over, n_max, EXACT, COARSE)
+    t, idx_t, ops, ref_over, ref_idx2, ref_counts = _framework_reference(
+        fw, (bound, bexp, inv, acc), idx, n_max)
+    prov, over, any_over = _stand_in_plan(ops, t, idx_t, n_max)
     idx2 = ops.empty((B, S, L), "int32", idx_t)
     counts = ops.empty((B, S), "int32", idx_t)
     prov.exact_rerun_slots(idx_t, over, any_over, idx2, counts)
@@ -329,17 +344,11 @@ def test_rerun_slots_skip_a_batch_with_no_rerun_key(fw, rng, over_in):
         if b not in over_in:
             bound, bexp = _keep_every_key(bound, bexp, over0, b)
     idx = distinct_indices(rng, B, S, S_kv, L, used_keys=S_kv - 10, empty_rows=(2,))
-    t = [fw.t(a) for a in (bound, bexp, inv, acc)]
-    idx_t = fw.t(idx)
-    ops = ops_for(idx_t)
-    ref_over, _, _ = _framework_plan(ops, *t, n_max)
-    ref_idx2, ref_counts = _framework_slots(ops, ref_over, idx_t)
+    t, idx_t, ops, ref_over, ref_idx2, ref_counts = _framework_reference(
+        fw, (bound, bexp, inv, acc), idx, n_max)
     assert [bool(to_numpy(ref_over)[b].any()) for b in range(B)] == [b in over_in
                                                                       for b in range(B)]
-    prov = CpuStandIn()
-    over = ops.empty((B, S_kv), "int32", idx_t)
-    any_over = ops.zeros((B,), "int32", idx_t)
-    prov.exact_rerun_plan(*t, over, any_over, n_max, EXACT, COARSE)
+    prov, over, any_over = _stand_in_plan(ops, t, idx_t, n_max)
     assert to_numpy(any_over).tolist() == [int(b in over_in) for b in range(B)]
     assert np.array_equal(to_numpy(over).astype(bool), to_numpy(ref_over))
 
