@@ -54,6 +54,7 @@ import numpy as np
 import pytest
 
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
+from paddlefleet.tilelang_ops.attn.kernels import FUSED_TILES
 from paddlefleet.tilelang_ops.attn.reference import mqa_latent_sparse_fwd_ref
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -246,7 +247,7 @@ class CpuStandIn:
     """
 
     device = "cpu"
-    fused_preprocess_tiles = (64,)
+    fused_preprocess_tiles = FUSED_TILES
 
     def __init__(self):
         self.calls = []

@@ -144,21 +144,33 @@ def test_kernel_lowers_for_sm90a(name, args):
             spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
                                        "for (int k = 0; k < (num_blocks - 1); ++k) {")
                      for sp in _blocks(src, opener)]
-            sites = [m.start() for m in re.finditer(r"(?<!\w)Indices\[", src)]
-            assert sites and all(any(a < at < b for a, b in spans) for at in sites)
+            assert _all_inside(src, "Indices[", spans)
 
 
 def _guarded(src, access, guards, before=600):
     """Every ``access`` (e.g. ``"Over["``, not ``"AnyOver["``: the name whole) in ``src`` has
     each of ``guards`` in the ``before`` characters ahead of it (the bounds check of its
     ``if``)."""
-    sites = [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(access), src)]
+    sites = _sites(src, access)
     assert sites, access
     for at in sites:
         window = src[max(0, at - before):at]
         missing = [g for g in guards if g not in window]
         assert not missing, (access, missing, src[max(0, at - before):at + 80])
     return len(sites)
+
+
+def _sites(src, access):
+    """Offsets of every ``access`` in ``src``, the name whole (``"Over["`` is not in
+    ``"AnyOver["``)."""
+    return [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(access), src)]
+
+
+def _all_inside(src, access, spans):
+    """Whether ``access`` occurs in ``src`` and every occurrence lies inside one of ``spans``
+    (from :func:`_blocks`)."""
+    sites = _sites(src, access)
+    return bool(sites) and all(any(a < at < b for a, b in spans) for at in sites)
 
 
 def _blocks(src, opener):
@@ -229,8 +241,7 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         spans = _blocks(src, "if (any_over[0] != 0) {")
         assert spans
         for access in ("Indices[", "Over[", "Idx2["):
-            sites = [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(access), src)]
-            assert sites and all(any(a < at < b for a, b in spans) for at in sites), access
+            assert _all_inside(src, access, spans), access
         assert not any(a < src.index("Counts[") < b for a, b in spans)  # written by every row
 
 

@@ -35,7 +35,7 @@ import harness  # noqa: E402
 import model  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
-from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS, main_args  # noqa: E402
+from paddlefleet.tilelang_ops.attn.kernels import FUSED_TILES, main_args  # noqa: E402
 
 DK, DV = 576, 512
 #: the benchmark's shapes, and three only the trials use
@@ -80,7 +80,7 @@ class Variant(interface.TileLangKernels):
         # the fused prologue exists in the two-warpgroup kernel only (warp_specialized: the
         # fifth knob)
         ws = (self.bwd_extra or ())[4:5]
-        return (64,) if ws in ((), (None,), (True,)) else ()
+        return FUSED_TILES if ws in ((), (None,), (True,)) else ()
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
@@ -88,13 +88,14 @@ class Variant(interface.TileLangKernels):
             return super().bwd_main(heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2,
                                     delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp,
                                     pre)
-        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq)) + self.bwd_extra
+        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq),
+                                        fused=pre is not None,
+                                        natural=pre is None or pre.natural, knobs=self.bwd_extra)
         args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
                 bound, bound_exp)
         if pre is None:
             self._timed(key)(*args)
-        else:  # the knobs not given at their defaults, then fused and the lse format
-            key += MAIN_KNOB_DEFAULTS[len(self.bwd_extra):] + (True, bool(pre.natural))
+        else:
             self._timed(key)(*args, pre.out, pre.lse, pre.sink, pre.d_sink_rows)
 
 
@@ -188,10 +189,10 @@ def precompile(providers, jobs=16):
         if getattr(prov, "bwd_extra", None):
             for m in (32, 64):
                 for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
-                    keys.add(("bwd_main", main_args(m, mode, dq) + prov.bwd_extra))
-            if prov.fused_preprocess_tiles:  # the fused atomic kernel (our forward's lse)
-                keys.add(("bwd_main", main_args(64, "atomic", True) + prov.bwd_extra
-                          + MAIN_KNOB_DEFAULTS[len(prov.bwd_extra):] + (True, True)))
+                    keys.add(("bwd_main", main_args(m, mode, dq, knobs=prov.bwd_extra)))
+            for m in prov.fused_preprocess_tiles:  # the fused atomic kernel (our forward's lse)
+                keys.add(("bwd_main", main_args(m, "atomic", True, fused=True,
+                                                knobs=prov.bwd_extra)))
     t = time.time()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name, a, dt, err in pool.map(_build_one, *zip(*[(n, a, False) for n, a in keys])):

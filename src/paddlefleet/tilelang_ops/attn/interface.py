@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from . import tiling
 from .adapter import ops_for, type_name
+from .kernels import FUSED_TILES
 from .checks import check_sm_scale, check_tensors, start_value_checks
 
 __all__ = [
@@ -116,7 +117,7 @@ class TileLangKernels:
 
     device = "cuda"
     #: head tiles whose ``bwd_main`` takes ``pre`` (``sparse_bwd._two_warpgroups``, ``fused``)
-    fused_preprocess_tiles = (64,)
+    fused_preprocess_tiles = FUSED_TILES
 
     def __init__(self):
         # compiled kernels by static key: skips TileLang's argument binding on every call

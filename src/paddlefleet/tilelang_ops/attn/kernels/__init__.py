@@ -45,18 +45,24 @@ def builders() -> dict:
 #: w1_right, row_extent), all at the kernel's defaults (``None``, ``overlap=False``,
 #: ``row_extent=True``)
 MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, False, None, True)
+#: Head tiles whose atomic first pass can do the preprocess's work in its prologue
+#: (``sparse_bwd._two_warpgroups``, ``fused``): the providers' ``fused_preprocess_tiles``.
+FUSED_TILES = (64,)
 
 
 def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V,
-              fused: bool = False, natural: bool = True):
-    """Static arguments of ``sparse_bwd.main`` for one head tile (the key block follows it).
+              fused: bool = False, natural: bool = True, knobs: tuple = ()):
+    """Static arguments of ``sparse_bwd.main`` for one head tile (the key block follows it),
+    then ``knobs``, the first schedule knobs (trials; none: the kernel's defaults).
     ``fused`` (the 64-head first pass with the preprocess in its prologue; ``natural``: the lse
-    format it reads) only when set, after the schedule knobs at their defaults, so that the
+    format it reads) only when set, after the remaining knobs at their defaults, so that the
     unfused kernels are built from the same arguments as before it existed."""
     from ..tiling import bwd_key_block
 
-    args = (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta))
-    return (args + MAIN_KNOB_DEFAULTS + (True, bool(natural))) if fused else args
+    args = (heads_per_cta, d_qk, d_v, mode, with_dq, bwd_key_block(heads_per_cta)) + tuple(knobs)
+    if not fused:
+        return args
+    return args + MAIN_KNOB_DEFAULTS[len(knobs):] + (True, bool(natural))
 
 
 def pre_args(natural: bool, with_do2: bool, d_v: int = D_V):
@@ -87,7 +93,7 @@ def specs(heads=HEAD_TILES) -> list:
         out.append(("fwd", (m, D_QK, D_V)))
         for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):
             out.append(("bwd_main", main_args(m, mode, with_dq)))
-        if m == 64:  # the atomic first pass with the preprocess fused, per lse format
+        if m in FUSED_TILES:  # the atomic first pass with the preprocess fused, per lse format
             for natural in (True, False):
                 out.append(("bwd_main", main_args(m, "atomic", True, fused=True, natural=natural)))
         for scaled in (True, False):
