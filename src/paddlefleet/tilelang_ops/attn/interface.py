@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 
 from . import tiling
 from .adapter import ops_for, type_name
-from .kernels import FUSED_TILES
 from .checks import check_sm_scale, check_tensors, start_value_checks
+from .kernels import FUSED_TILES
 
 __all__ = [
     "mqa_latent_sparse_fwd",
