@@ -23,8 +23,8 @@ Helpers:
 * ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
 * ``distinct_indices(...)``, ``exact_first_pass_state(...)``: inputs of the exact dKV's
   bookkeeping kernels (top-k rows with unnamed keys and ``-1`` slots; a first pass's bounds
-  covering every branch of the re-run plan), numpy; ``square_norms(provider, grad_out)``: the
-  rows' fp64 ``|dO|^2`` that ``grid_rows`` takes, from the provider's preprocess.
+  covering every branch of the re-run plan), numpy; ``launch_grid_rows(provider, ...)``: the
+  deterministic backward's first kernel (preprocess and row weights) on given ``q`` and ``dO``.
 * ``run_until_signalled(script, args, marker, sig)``: run a script in a process group of its own
   and send it ``sig`` (as a terminal's Ctrl-C does) once ``marker`` shows on its stdout.
 
@@ -294,16 +294,14 @@ class CpuStandIn:
         SQ[:, :H] = (DO * DO).sum(-1)
         return DEL, L2, DS, SQ
 
-    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows, do2=None):
-        # outputs [R, H_pad]; do2 (optional, fp64): |dO|^2 per (row, head)
-        self.calls.append(("pre", bool(natural), do2 is not None))
-        DEL, L2, DS, SQ = self._preprocess(natural, *map(to_numpy, (out, do, lse, sink)),
-                                           to_numpy(delta).shape[1])
+    def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
+        # outputs [R, H_pad]
+        self.calls.append(("pre", bool(natural)))
+        DEL, L2, DS, _ = self._preprocess(natural, *map(to_numpy, (out, do, lse, sink)),
+                                          to_numpy(delta).shape[1])
         _write(delta, DEL)
         _write(lse2, L2)
         _write(d_sink_rows, DS)
-        if do2 is not None:
-            _write(do2, SQ)
 
     def _fused_preprocess(self, m, mode, with_dq, do, lse2, delta, pre):
         # the fused kernel's prologue (sparse_bwd._two_warpgroups, fused): its argument shapes
@@ -393,13 +391,22 @@ class CpuStandIn:
         top = float(to_numpy(top).reshape(-1)[0])
         return 40.0 - np.ceil(np.log2(top if top > 0 else 1.0))
 
-    def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
-        # q [B, S, H, Dk] bf16 (the real heads); do2 [B, S, H_pad] fp64, |dO|^2 (the
-        # preprocess's): only its first H heads are read
-        self.calls.append(("grid_rows",))
+    def exact_grid_rows(self, natural, q, out, do, lse, sink, indices, kv_norm, delta, lse2,
+                        d_sink_rows, c_row, kv_coef):
+        # q [B, S, H, Dk], out, do [B, S, H, Dv] bf16, lse [B, S, H], sink [H] (the real heads);
+        # delta, lse2, d_sink_rows [B, S, H_pad] written as bwd_preprocess writes them; c_row
+        # from the fp64 squares of q and dO (exact: bf16 values)
+        self.calls.append(("grid_rows", bool(natural)))
         Q = to_numpy(q).astype(np.float64)
-        DO2 = to_numpy(do2)[:, :, :Q.shape[2]]
-        assert DO2.dtype == np.float64, DO2.dtype
+        B, S, H, d_v = to_numpy(do).shape
+        h_pad = to_numpy(delta).shape[-1]
+        assert Q.shape[:3] == (B, S, H) and to_numpy(out).shape == (B, S, H, d_v), (Q.shape, H)
+        assert to_numpy(lse2).shape == to_numpy(d_sink_rows).shape == (B, S, h_pad) and H <= h_pad
+        DEL, L2, DS, SQ = self._preprocess(natural, *map(to_numpy, (out, do, lse, sink)), h_pad)
+        _write(delta, DEL.reshape(B, S, h_pad))
+        _write(lse2, L2.reshape(B, S, h_pad))
+        _write(d_sink_rows, DS.reshape(B, S, h_pad))
+        DO2 = SQ.reshape(B, S, h_pad)[:, :, :H]
         norm = np.float64(to_numpy(kv_norm).reshape(-1)[0])
         kscale = norm * norm * np.float64(kv_coef)
         w = DO2 * (kscale * (Q * Q).sum(-1) + 1.0 / d_v)  # [B, S, H]
@@ -484,22 +491,22 @@ def distinct_indices(rng, B, S, S_kv, L, used_keys, empty_rows=(), fill=0.8):
     return idx
 
 
-def square_norms(provider, grad_out, h_pad=None):
-    """``|dO|^2 [B, S, H_pad] fp64`` of ``grad_out [B, S, H, Dv]`` (bf16) as the deterministic
-    backward makes it: the preprocess's extra output (``provider.bwd_preprocess`` with ``do2``;
-    the other outputs from ``out = grad_out``, ``lse = 0`` and no sink), 0 at pad heads
-    ``H <= h < h_pad`` (default ``H``).  Works with any provider and framework (CPU stand-in,
-    GPU kernels)."""
+def launch_grid_rows(provider, q, grad_out, indices, kv_norm, c_row, kv_coef, h_pad=None,
+                     natural=True):
+    """``provider.exact_grid_rows`` as the deterministic backward launches it, on ``q [B, S,
+    H, Dk]`` and ``grad_out [B, S, H, Dv]`` (bf16), with ``out = grad_out``, ``lse = 0`` and no
+    sink for the preprocess's part; returns its ``(delta, lse2, d_sink_rows)`` (``[B, S,
+    h_pad]`` fp32, ``h_pad`` default ``H``).  Works with any provider and framework (CPU
+    stand-in, GPU kernels)."""
     ops = ops_for(grad_out)
-    b, s, h, d_v = ops.shape(grad_out)
+    b, s, h, _ = ops.shape(grad_out)
     h_pad = h if h_pad is None else h_pad
-    rows = ops.reshape(ops.contiguous(grad_out), (b * s * h, d_v))
-    do2 = ops.empty((b, s, h_pad), "float64", grad_out)
-    outs = [ops.empty((b * s, h_pad), "float32", grad_out) for _ in range(3)]
-    provider.bwd_preprocess(True, rows, rows, ops.zeros((b * s * h,), "float32", grad_out),
-                            ops.full((h,), -math.inf, "float32", grad_out), *outs,
-                            ops.reshape(do2, (b * s, h_pad)))
-    return do2
+    outs = [ops.empty((b, s, h_pad), "float32", grad_out) for _ in range(3)]
+    lse = ops.zeros((b, s, h), "float32", grad_out)
+    sink = ops.full((h,), -math.inf, "float32", grad_out)
+    provider.exact_grid_rows(natural, q, grad_out, grad_out, lse, sink, indices, kv_norm, *outs,
+                             c_row, kv_coef)
+    return outs
 
 
 def exact_first_pass_state(rng, B, S_kv, n_max, d_k=576):

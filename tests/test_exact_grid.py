@@ -20,7 +20,7 @@ from helpers import (
     CpuStandIn,
     distinct_indices,
     exact_first_pass_state,
-    square_norms,
+    launch_grid_rows,
     to_numpy,
     to_tensor,
 )
@@ -132,16 +132,14 @@ def _bf16_rows(rng, shape, row_exp):
 
 
 def _launch_grid(prov, ops, q, do, kv, idx, margin, h_pad=None):
-    """The stand-in's grid launches as the deterministic backward makes them (``|dO|^2`` from
-    the preprocess, for ``h_pad`` heads, then ``_grid_estimate``'s three); returns
+    """The stand-in's grid launches as the deterministic backward makes them
+    (``_grid_estimate``'s three, the first also the preprocess, for ``h_pad`` heads); returns
     ``(c_row, est, inv_grid)`` as numpy."""
     b, s, _ = ops.shape(idx)
     _, s_kv, d_k = ops.shape(kv)
-    do2 = square_norms(prov, do, h_pad)
     kv_norm = ops.row_norm(ops.reshape(ops.cast(kv, "float32"), (1, -1)))
     c_row = ops.empty((b, s), "float64", idx)
-    prov.exact_grid_rows(ops.shape(do)[-1], q, do2, idx, kv_norm, c_row,
-                         SM * SM / (b * s_kv * d_k * d_k))
+    launch_grid_rows(prov, q, do, idx, kv_norm, c_row, SM * SM / (b * s_kv * d_k * d_k), h_pad)
     top = ops.reshape(ops.amax(c_row), (1,))
     est = ops.zeros((b, s_kv), "int64", idx)
     prov.exact_grid_scatter(c_row, top, idx, est)
@@ -153,12 +151,12 @@ def _launch_grid(prov, ops, q, do, kv, idx, margin, h_pad=None):
 # --- the grid guess -----------------------------------------------------------------------------
 @pytest.mark.parametrize("scale", ["moderate", "extreme"])
 def test_grid_rows_is_the_framework_formula(fw, rng, scale):
-    """c_row, from q and the preprocess's |dO|^2 (5 heads padded to 16): the row weights of the
+    """c_row, from q and dO (5 heads padded to 16): the row weights of the
     former framework code, which took the norms of q and dO.  With its fp32 row norms to fp32
     rounding at moderate scales; with the norms taken in fp64 (the kernels square bf16 in fp64)
     to fp64 rounding at extreme scales too (rows at 2^-60 .. 2^60: squares to 2^+-120, where the
     fp32 norms under- or overflow).  A row with no valid slot divides by 1; a zero row gives 0.
-    A |dO|^2 off by a head or a row, or squared in fp32 (extreme scales), fails it."""
+    A square off by a head or a row, or squared in fp32 (extreme scales), fails it."""
     B, S, S_kv, H, L = 2, 7, 50, 5, 70
     lo, hi = (-3, 3) if scale == "moderate" else (-60, 60)
     q = _bf16_rows(rng, (B, S, H, DK), rng.integers(lo, hi + 1, (B, S)))

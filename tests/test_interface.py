@@ -103,14 +103,13 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     if not det and plan.heads_per_cta == 64:  # the preprocess fused into the atomic main
         assert prov.calls[1:] == [head + ("atomic", True, ("pre", natural)), finish]
         return
-    # the preprocess writes |dO|^2 for the grid estimate in the deterministic mode only
-    assert prov.calls[1] == ("pre", natural, det)
-    if det:  # the grids, the first pass, the re-run plan, the re-run of the keys over their bound
-        assert prov.calls[2:] == [("grid_rows",), ("grid_scatter",), ("grid_keys",),
+    if det:  # the preprocess with the grids (grid_rows), the first pass, the re-run plan, the
+        # re-run of the keys over their bound: no separate preprocess
+        assert prov.calls[1:] == [("grid_rows", natural), ("grid_scatter",), ("grid_keys",),
                                   head + ("exact", True), ("rerun_plan",), ("rerun_slots",),
                                   head + ("exact", False), finish]
     else:
-        assert prov.calls[2:] == [head + ("atomic", True), finish]
+        assert prov.calls[1:] == [("pre", natural), head + ("atomic", True), finish]
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -294,14 +293,14 @@ def test_nan_lse_is_not_masked(fw):
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("natural", [True, False])
-@pytest.mark.parametrize("with_do2", [False, True])
-def test_preprocess_stand_in_is_the_former_framework_code(fw, natural, with_do2):
+@pytest.mark.parametrize("kernel", ["pre", "grid_rows"])
+def test_preprocess_stand_in_is_the_former_framework_code(fw, natural, kernel):
     """The preprocess kernel replaced framework ops (run 41): the lse bridge, ``-inf -> 0``, the
-    head padding of lse2 and Delta, ``d_sink = -sum P_sink Delta``.  Its stand-in (which the GPU
-    test holds the kernel to) gives what those ops gave, written here as they were: with a NaN,
-    +inf and -inf lse, a -inf sink, pad heads (H=5 in tiles of 16).  ``with_do2`` (the
-    deterministic backward): also |dO|^2 per (row, head) in fp64, the norm grid_rows used to take
-    of dO (0 at pad heads), and the other outputs unchanged."""
+    head padding of lse2 and Delta, ``d_sink = -sum P_sink Delta``.  Its stand-ins (which the
+    GPU test holds the kernels to), ``bwd_preprocess`` (the atomic backward's) and
+    ``exact_grid_rows`` (the deterministic backward's, which also gives the rows' grid weights),
+    give what those ops gave, written here as they were: with a NaN, +inf and -inf lse, a -inf
+    sink, pad heads (H=5 in tiles of 16)."""
     rng = np.random.default_rng(31 + natural)
     B, S, H, h_pad = 2, 3, 5, 16
     out = rng.standard_normal((B, S, H, DV), dtype=np.float32)
@@ -313,24 +312,22 @@ def test_preprocess_stand_in_is_the_former_framework_code(fw, natural, with_do2)
     t = {k: to_tensor(fw, v, "bfloat16" if k in ("out", "do") else "float32")
          for k, v in dict(out=out, do=do, lse=lse, sink=sink).items()}
     ops = ops_for(t["lse"])
-    got = [ops.zeros((B * S, h_pad), "float32", t["lse"]) for _ in range(3)]
-    if with_do2:
-        got.append(ops.full((B * S, h_pad), np.nan, "float64", t["lse"]))
+    got = [ops.full((B * S, h_pad), np.nan, "float32", t["lse"]) for _ in range(3)]
     prov = CpuStandIn()
-    prov.bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
-                        ops.reshape(t["do"], (B * S * H, DV)),
-                        ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
-    assert prov.calls == [("pre", natural, with_do2)]
-    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got[:3])
-    if with_do2:
-        do2 = to_numpy(got[3]).reshape(B, S, h_pad)
-        do_f = to_numpy(t["do"]).astype(np.float64)
-        assert do2.dtype == np.float64 and not do2[..., H:].any()
-        # the squares of bf16 values are exact in fp64: the sum to fp64 rounding; fp32 norms
-        # (the former framework op) to fp32 rounding
-        np.testing.assert_allclose(do2[..., :H], (do_f * do_f).sum(-1), rtol=1e-14, atol=0)
-        norm32 = to_numpy(ops.row_norm(ops.cast(t["do"], "float32"))).astype(np.float64)
-        np.testing.assert_allclose(do2[..., :H], norm32 * norm32, rtol=1e-5, atol=0)
+    if kernel == "pre":
+        prov.bwd_preprocess(natural, ops.reshape(t["out"], (B * S * H, DV)),
+                            ops.reshape(t["do"], (B * S * H, DV)),
+                            ops.reshape(t["lse"], (B * S * H,)), t["sink"], *got)
+    else:
+        q = to_tensor(fw, rng.standard_normal((B, S, H, DK), dtype=np.float32), "bfloat16")
+        idx = to_tensor(fw, np.zeros((B, S, 4), np.int32), "int32")
+        c_row = ops.empty((B, S), "float64", t["lse"])
+        prov.exact_grid_rows(natural, q, t["out"], t["do"], t["lse"], t["sink"], idx,
+                             ops.full((1,), 1.0, "float32", t["lse"]),
+                             *(ops.reshape(g, (B, S, h_pad)) for g in got), c_row, 1e-3)
+        assert np.isfinite(to_numpy(c_row)).all() and (to_numpy(c_row) > 0).all()
+    assert prov.calls == [(kernel, natural)]
+    delta, lse2, d_rows = (to_numpy(g).reshape(B, S, h_pad) for g in got)
 
     # the former framework code (interface._bwd and _d_sink before run 41), in numpy
     want_delta = (to_numpy(t["out"]).astype(np.float64) * to_numpy(t["do"])).sum(-1)
@@ -345,43 +342,35 @@ def test_preprocess_stand_in_is_the_former_framework_code(fw, natural, with_do2)
     assert not (delta[..., H:].any() or lse2[..., H:].any() or d_rows[..., H:].any())
 
 
-class _SquareNormsSeen(CpuStandIn):
-    """The stand-in, keeping the ``do2`` the preprocess wrote and the one grid_rows was given
-    (numpy copies) and grid_rows' ``Dv``."""
+class _GridRowsSeen(CpuStandIn):
+    """The stand-in, keeping what grid_rows was given (numpy copies of q, out, dO, lse, sink)."""
 
     def __init__(self):
         super().__init__()
-        self.written, self.read = [], []
+        self.read = []
 
-    def bwd_preprocess(self, *args, do2=None):
-        if len(args) == 9:
-            *args, do2 = args
-        super().bwd_preprocess(*args, do2)
-        if do2 is not None:
-            self.written.append(to_numpy(do2).copy())
-
-    def exact_grid_rows(self, d_v, q, do2, *rest):
-        self.read.append((d_v, to_numpy(do2).copy()))
-        super().exact_grid_rows(d_v, q, do2, *rest)
+    def exact_grid_rows(self, natural, q, out, do, lse, sink, *rest):
+        self.read.append(tuple(to_numpy(t).copy() for t in (q, out, do, lse, sink)))
+        super().exact_grid_rows(natural, q, out, do, lse, sink, *rest)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("H, block_h", [(5, None), (40, 16), (72, None)])
-def test_grid_estimate_takes_the_preprocess_square_norms(fw, H, block_h):
-    """The deterministic backward asks the preprocess for |dO|^2 and hands exactly that tensor's
-    values to grid_rows (with Dv): ``[B, S, H_pad]`` fp64, the sum of each (row, head)'s squared
-    dO, 0 at pad heads; the first-pass grids are then the ones a direct numpy computation from q
-    and dO gives.  The atomic backward asks for none and launches no grid kernel."""
+def test_grid_estimate_takes_the_real_heads(fw, H, block_h):
+    """The deterministic backward hands grid_rows the real heads of q, out, dO, lse and the
+    sink (no pad-head copies: ``[B, S, H, D]``) and launches no separate preprocess; the
+    first-pass grids are then the ones a direct numpy computation from q and dO gives.  The
+    atomic backward launches no grid kernel."""
     B, S, S_kv, L = 2, 5, 70, 64
     q, kv, do, sk, idx = _case(fw, B, S, S_kv, H, L, True, seed=H + 50, empty_rows=(1,))
-    prov = _SquareNormsSeen()
+    prov = _GridRowsSeen()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, block_h=block_h,
                                     deterministic=False, provider=prov)
-    assert prov.written == [] and prov.read == []
+    assert prov.read == []
     grids = []
 
-    class _Grids(_SquareNormsSeen):
+    class _Grids(_GridRowsSeen):
         def exact_grid_keys(self, est, top, inv_grid, *rest):
             super().exact_grid_keys(est, top, inv_grid, *rest)
             grids.append(to_numpy(inv_grid).copy())
@@ -389,14 +378,14 @@ def test_grid_estimate_takes_the_preprocess_square_norms(fw, H, block_h):
     prov = _Grids()
     interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, block_h=block_h,
                                     provider=prov)
+    assert "pre" not in [c[0] for c in prov.calls]
     h_pad = tiling.head_plan(H, block_h).padded_heads
-    (written,), ((d_v, read),) = prov.written, prov.read
-    assert d_v == DV and written.shape == (B * S, h_pad) and written.dtype == np.float64
-    assert np.array_equal(read.reshape(B * S, h_pad), written)
+    ((q_r, out_r, do_r, lse_r, sink_r),) = prov.read
+    for got, want in ((q_r, q), (out_r, out), (do_r, do), (lse_r, lse), (sink_r, sk)):
+        np.testing.assert_array_equal(got, to_numpy(want))
     do_f = to_numpy(do).astype(np.float64)
     want = np.zeros((B, S, h_pad))
     want[..., :H] = (do_f * do_f).sum(-1)
-    np.testing.assert_allclose(read.reshape(B, S, h_pad), want, rtol=1e-14, atol=0)
 
     # the grids from a direct computation: c_s = 4 sqrt(sum_h |dO_sh|^2 (kscale |q_sh|^2 +
     # 1 / Dv)) / L_s, E_j = sum over the rows naming key j of ceil(c_s 2^F), e_j from E_j
@@ -503,7 +492,8 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
     """The wrappers launch their value checks early and wait for them late (run 41), but no
     kernel that dereferences an index runs before a bad value raises: the forward launches
     nothing, the atomic backward only its preprocess (which reads out, dO, lse and the sink),
-    the deterministic one also grid_rows (which only counts each row's slots >= 0)."""
+    the deterministic one only grid_rows (its preprocess, which only counts each row's slots
+    >= 0)."""
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 64, True, seed=6)
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
@@ -514,7 +504,7 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
     with pytest.raises(ValueError, match="token_indices"):
         interface.mqa_latent_sparse_fwd(q, kv, bad, SM, sk, provider=prov)
     assert prov.calls == []
-    for det, launched in ((False, ["pre"]), (True, ["pre", "grid_rows"])):
+    for det, launched in ((False, ["pre"]), (True, ["grid_rows"])):
         prov.calls.clear()
         with pytest.raises(ValueError, match="token_indices"):
             interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
@@ -524,7 +514,7 @@ def test_deferred_value_checks_raise_before_any_index_is_read(fw):
     # nothing runs before the checks raise
     q, kv, do, sk, _ = _case(fw, 1, 4, 64, 64, 64, True, seed=6)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    for det, launched in ((False, []), (True, ["pre", "grid_rows"])):
+    for det, launched in ((False, []), (True, ["grid_rows"])):
         prov.calls.clear()
         with pytest.raises(ValueError, match="token_indices"):
             interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, bad, SM, provider=prov,
@@ -610,7 +600,9 @@ def test_value_checks_with_a_safe_copy_wait_after_the_kernels(fw, H):
             run()
         last = {"fwd": "fwd", "bwd_det": "finish", "bwd_atomic": "finish"}[name]
         fused = name == "bwd_atomic" and H == 64
-        assert prov.calls[0][0] == ("value_stats" if name == "fwd" or fused else "pre"), name
+        # the atomic backward's separate preprocess reads no index: it goes before the checks
+        first = "pre" if name == "bwd_atomic" and not fused else "value_stats"
+        assert prov.calls[0][0] == first, name
         assert prov.calls[-1][0] == last, (name, prov.calls)  # everything was queued first
         assert prov.seen and all(lo >= -1 and hi < 64 for lo, hi in prov.seen), (name, prov.seen)
 

@@ -331,9 +331,9 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
     kinds = [c[0] for c in stand_in.calls]
-    # The deterministic backward: the grids, the exact first pass (with dq), the re-run plan
-    # and slots, then the re-run and the finish (fp32 accumulator to bf16).
-    assert kinds == ["fwd", "pre", "grid_rows", "grid_scatter", "grid_keys", "main",
+    # The deterministic backward: the preprocess with the grids, the exact first pass (with
+    # dq), the re-run plan and slots, then the re-run and the finish (fp32 accumulator to bf16).
+    assert kinds == ["fwd", "grid_rows", "grid_scatter", "grid_keys", "main",
                      "rerun_plan", "rerun_slots", "main", "finish"], stand_in.calls
     mains = [c for c in stand_in.calls if c[0] == "main"]
     assert [c[-2:] for c in mains] == [("exact", True), ("exact", False)]

@@ -15,7 +15,7 @@
 #      run 54's GPU tests 88 s beside 322 s of CPU tests in one process)
 #   5. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
 #      compute-sanitizer exists
-#   6. stage timing at the reference shape (tools/bench/bench_sparse_mqa.py --stages: each
+#   6. stage timing at the ref and fleet shapes (tools/bench/bench_sparse_mqa.py --stages: each
 #      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
 #      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
 # Logs: $OUT/suite.log, $OUT/pytest.log (GPU tests), $OUT/pytest-cpu.log and pytest-cpu2.log
@@ -59,9 +59,9 @@ fi
 
 step pytest
 # --durations: the slowest tests go into the logs.  The CPU tests run beside the GPU tests in
-# two more processes: the lowering tests of the backward's preprocess (its two lowerings took
-# 74 and 64 s of run 54's 322 s of CPU tests) apart from the other lowering tests
-PRE_TESTS="bwd_pre or preprocess or pre_do2"
+# two more processes: the lowering tests of the backward's preprocess (its lowerings took 74
+# and 64 s of run 54's 322 s of CPU tests) apart from the other lowering tests
+PRE_TESTS="bwd_pre or preprocess"
 python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_kernel_compile.py \
   -k "not ($PRE_TESTS)" > "$LOG/pytest-cpu.log" 2>&1 &
 CPU_TESTS=$!
@@ -98,7 +98,7 @@ if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
 fi
 
 step stage timing
-python3 tools/bench/bench_sparse_mqa.py --stages --shapes ref --no-ref --no-check-indices \
+python3 tools/bench/bench_sparse_mqa.py --stages --shapes ref,fleet --no-ref --no-check-indices \
   --no-sink --reps 10 --warmup 3 --matmul-n 0 --copy-mb 0 --no-plot --no-progress \
   --out "$LOG/stages" 2>&1 | grep -v "TileLang:" | tee -a "$SUITE"
 

@@ -16,6 +16,7 @@ for longer top-k sums and still fails on any real bug (those give O(1) errors or
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -32,7 +33,6 @@ from helpers import (
     exact_first_pass_state,
     extreme_logits_case,
     rel_l2,
-    square_norms,
 )
 
 pytestmark = pytest.mark.gpu
@@ -119,17 +119,12 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).fwd(m, q, kv, idx, sink, scale, *v),
                       [("out", out, True), ("lse", lse, True)])
 
-        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows,
-                           do2=None):
-            # do2 (the deterministic backward's |dO|^2, fp64): written whole too, never NaN
+        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
             outs = [("delta", delta, True), ("lse2", lse2, True),
                     ("d_sink_rows", d_sink_rows, True)]
-            outs += [("do2", do2, True)] if do2 is not None else []
             self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(natural, out, do, lse,
                                                                            sink, *v),
                       outs, whole=not bool(torch.isnan(lse).any()))  # NaN lse: NaN (= poison)
-            if do2 is not None:
-                assert _unwritten(do2) == 0, "do2: not written whole"
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
                      counts, dq, acc, bound, bound_exp, pre=None):
@@ -163,9 +158,16 @@ if cuda_available():
                                                                        *v),
                       [("dkv", dkv, True)], whole=True)
 
-        def exact_grid_rows(self, d_v, q, do2, idx, kv_norm, c_row, kv_coef):
+        def exact_grid_rows(self, natural, q, out, do, lse, sink, idx, kv_norm, delta, lse2,
+                            d_sink_rows, c_row, kv_coef):
+            # the deterministic backward's preprocess: its three outputs as bwd_preprocess's
+            # (written whole unless the lse has a NaN: NaN = the poison); c_row always whole
+            outs = [("delta", delta, True), ("lse2", lse2, True),
+                    ("d_sink_rows", d_sink_rows, True)]
             self._run(lambda v: super(GuardedKernels, self).exact_grid_rows(
-                d_v, q, do2, idx, kv_norm, *v, kv_coef), [("c_row", c_row, True)], whole=True)
+                natural, q, out, do, lse, sink, idx, kv_norm, *v, kv_coef),
+                outs + [("c_row", c_row, True)], whole=not bool(torch.isnan(lse).any()))
+            assert _unwritten(c_row) == 0, "c_row: not written whole"
 
         def exact_grid_scatter(self, c_row, top, idx, est):
             self._run(lambda v: super(GuardedKernels, self).exact_grid_scatter(
@@ -401,11 +403,15 @@ def test_packed_documents_against_reference(case):
     assert dq.shape == q.shape and dkv.shape == kv.shape
 
 
-def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
+@pytest.mark.parametrize("case", [
+    dict(B=2, S=48, S_kv=300, H=100, L=200, sink=True),  # two head groups, L padded
+    # more rows than the re-run's grid has CTAs (sparse_bwd.RERUN_CTAS = 132): each walks 2-3
+    dict(B=1, S=300, S_kv=400, H=64, L=64, sink=True, empty_rows=(140,)),
+], ids=["H100_B2", "H64_S300"])
+def test_exact_rerun_is_repeatable_and_accurate(case, monkeypatch):
     """Force the exact mode's re-run (first-pass grids 2^20 too fine, so every u is clamped and
     the re-run grid comes from BoundExp; 2^6 too fine, the usual case; 2^10 too coarse, re-run on
     a finer grid): the result must stay bitwise repeatable and as accurate as without."""
-    case = dict(B=2, S=48, S_kv=300, H=100, L=200, sink=True)  # two head groups, L padded
     q, kv, do, sink, idx = _inputs(case, 21)
     prov = GuardedKernels()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
@@ -515,10 +521,10 @@ GRID_CASES = [
 @pytest.mark.parametrize("case", GRID_CASES, ids=[c["id"] for c in GRID_CASES])
 def test_exact_grid_kernels_match_the_stand_in(case):
     """Each bookkeeping kernel against its numpy stand-in (``helpers.CpuStandIn``, itself held to
-    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs: the
-    preprocess's |dO|^2 (``DO2``, fp64, 3 pad heads) to fp64 rounding, 0 at pad heads and
-    bitwise repeatable; the row weights from it to fp64 rounding (the sums' order differs) and
-    bitwise repeatable; from the same
+    the former framework code by ``tests/test_exact_grid.py``) on random GPU inputs:
+    ``grid_rows``' preprocess outputs (Delta, Lse2, DSink; 3 pad heads, 0 there) to fp32
+    rounding and its row weights to fp64 rounding (the sums' order differs), all bitwise
+    repeatable; from the same
     row weights the int64 estimates and the grids (margins 2, -40, +12) exactly; the re-run
     plan (every branch: ``helpers.exact_first_pass_state``) exactly (over, the scaled grids,
     the cleared accumulator rows, the per-batch flag; with B > 1 batch 0 has no re-run key);
@@ -541,24 +547,29 @@ def test_exact_grid_kernels_match_the_stand_in(case):
     idx = torch.from_numpy(idx_np).cuda()
     prov, ref = GuardedKernels(), CpuStandIn()
 
-    # |dO|^2 from the preprocess kernel (as the deterministic backward makes it), against
-    # numpy: the fp64 sum of the exact fp64 squares, in another order
-    do2, do2_again, do2_ref = (square_norms(p, do, H + 3) for p in (prov, prov, ref))
-    assert do2.dtype == torch.float64 and do2.shape == (B, S, H + 3)
-    assert torch.equal(do2, do2_again), "|dO|^2 not bitwise repeatable"
-    torch.testing.assert_close(do2, do2_ref, rtol=1e-12, atol=0)
-    assert not bool(do2[..., H:].any()) and not bool(do2[0, 1].any())
-    do_f = do.double()
-    torch.testing.assert_close(do2[..., :H], (do_f * do_f).sum(-1), rtol=1e-12, atol=0)
-
+    # grid_rows (the deterministic backward's preprocess and row weights; 3 pad heads) against
+    # numpy: Delta to fp32 rounding, Lse2 and DSink to fp32 rounding, 0 at pad heads; the row
+    # weights (fp64 sums of the exact fp64 squares, in another order) to fp64 rounding; all
+    # bitwise repeatable
+    out = bf16((B, S, H, DV), np.ones((B, S)))
+    lse = torch.from_numpy(rng.standard_normal((B, S, H)).astype(np.float32) * 4 + 8).cuda()
+    sink = torch.from_numpy(rng.standard_normal(H).astype(np.float32)).cuda()
+    sink[0] = -math.inf
     kv_norm = torch.linalg.vector_norm(kv.reshape(1, -1), dim=-1, dtype=torch.float32)
     coef = SM_SCALE**2 / (kv.numel() * DK)
-    c_row, c_again, c_ref = (torch.empty((B, S), dtype=torch.float64, device="cuda")
-                             for _ in range(3))
-    prov.exact_grid_rows(DV, q, do2, idx, kv_norm, c_row, coef)
-    prov.exact_grid_rows(DV, q, do2, idx, kv_norm, c_again, coef)
-    ref.exact_grid_rows(DV, q, do2_ref, idx, kv_norm, c_ref, coef)
-    assert torch.equal(c_row, c_again), "row weights not bitwise repeatable"
+    runs = []
+    for p in (prov, prov, ref):
+        rows = [torch.empty((B, S, H + 3), device="cuda") for _ in range(3)]
+        c = torch.empty((B, S), dtype=torch.float64, device="cuda")
+        p.exact_grid_rows(True, q, out, do, lse, sink, idx, kv_norm, *rows, c, coef)
+        runs.append(rows + [c])
+    (*rows, c_row), again, (*rows_ref, c_ref) = runs
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), "grid_rows not repeatable"
+    for name, got, want in zip(("delta", "lse2", "d_sink_rows"), rows, rows_ref):
+        assert not bool(got[..., H:].any()), f"{name}: pad heads not 0"
+        err = float((got.double() - want.double()).norm() / want.double().norm())
+        assert err < 1e-5, (name, err)  # fp32 sums of 512 products in another order
+    assert not bool(rows[0][0, 1].any())  # dO = 0: Delta = 0
     torch.testing.assert_close(c_row, c_ref, rtol=1e-12, atol=0)
     assert c_row[0, 1] == 0 and bool((c_row[0, 2:] > 0).all())
 
@@ -725,16 +736,16 @@ def test_fused_prologue_matches_the_preprocess(natural):
     assert lse2[5, 2] == 0 and bool(torch.isnan(lse2[3, 0])) and lse2[4, 1] == float("inf")
 
 
-@pytest.mark.parametrize("with_do2", [False, True], ids=["plain", "do2"])
+@pytest.mark.parametrize("kernel", ["pre", "grid_rows"])
 @pytest.mark.parametrize("natural", [True, False], ids=["natural", "log2_sink"])
-def test_preprocess_kernel_matches_the_stand_in(natural, with_do2):
+def test_preprocess_kernel_matches_the_stand_in(natural, kernel):
     """The backward's preprocess (Delta, the finite base-2 lse, each row's d_sink term; 0 at
     pad heads) against its fp64 stand-in (itself held to the former framework ops by
     ``tests/test_interface.py``), with a NaN, +inf and -inf lse, a -inf sink and 3 pad heads
     (H=13 padded to 16): Delta to fp32 rounding, lse2 to a few ulps, every element written
-    (poisoned first, guard regions intact), NaN where the stand-in has NaN.  ``with_do2`` (the
-    deterministic backward's kernel): also |dO|^2 (fp64) to fp64 rounding, 0 at pad heads,
-    bitwise repeatable, whatever the lse."""
+    (poisoned first, guard regions intact), NaN where the stand-in has NaN.  Both kernels that
+    do it: the atomic backward's ``bwd_preprocess`` and the deterministic backward's
+    ``grid_rows`` (also bitwise repeatable, its row weights finite whatever the lse)."""
     rng = np.random.default_rng(5 + natural)
     R, H, h_pad = 70, 13, 16
     out = torch.from_numpy(rng.standard_normal((R, H, DV), dtype=np.float32)).cuda()
@@ -746,20 +757,26 @@ def test_preprocess_kernel_matches_the_stand_in(natural, with_do2):
     sink[2] = -float("inf")  # lse[5, 2] = -inf there too: no key, no sink
     got = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
     want = [torch.empty((R, h_pad), device="cuda") for _ in range(3)]
-    if with_do2:
-        got += [torch.empty((R, h_pad), dtype=torch.float64, device="cuda") for _ in range(2)]
-        want.append(torch.empty((R, h_pad), dtype=torch.float64, device="cuda"))
     args = (out.reshape(R * H, DV), do.reshape(R * H, DV), lse.reshape(R * H), sink)
-    GuardedKernels().bwd_preprocess(natural, *args, *got[:4])
+    if kernel == "pre":
+        GuardedKernels().bwd_preprocess(natural, *args, *got)
+    else:
+        q = torch.randn((1, R, H, DK), device="cuda").to(torch.bfloat16)
+        idx = torch.from_numpy(causal_topk_indices(1, R, 100, 64, seed=4)).cuda()
+        kv_norm = torch.full((1,), 3.0, device="cuda")
+        c_rows = []
+        for outs in (got, [torch.empty_like(g) for g in got]):
+            c_rows.append(torch.empty((1, R), dtype=torch.float64, device="cuda"))
+            GuardedKernels().exact_grid_rows(natural, q, out[None], do[None], lse[None], sink, idx,
+                                             kv_norm, *(g.view(1, R, h_pad) for g in outs),
+                                             c_rows[-1], 1e-3)
+            if len(c_rows) == 2:
+                assert all(torch.equal(g.isnan(), a.isnan())
+                           and torch.equal(g.nan_to_num(), a.nan_to_num())
+                           for g, a in zip(got, outs)), "grid_rows not bitwise repeatable"
+        assert torch.equal(c_rows[0], c_rows[1]), "row weights not bitwise repeatable"
+        assert bool(torch.isfinite(c_rows[0]).all()) and bool((c_rows[0] > 0).all())
     CpuStandIn().bwd_preprocess(natural, *args, *want)
-    if with_do2:
-        GuardedKernels().bwd_preprocess(natural, *args, *(torch.empty_like(g) for g in got[:3]),
-                                        got[4])
-        assert torch.equal(got[3], got[4]), "|dO|^2 not bitwise repeatable"
-        assert got[3].dtype == torch.float64 and not bool(got[3][:, H:].any())
-        torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=0)
-        do_f = do.double()
-        torch.testing.assert_close(got[3][:, :H], (do_f * do_f).sum(-1), rtol=1e-12, atol=0)
     # (rtol, atol): fp32 sums of 512 products (|terms| sum to ~400); lse2 ~ 1 ulp of |lse2|
     # <= 60; exp2 of a rounded exponent near 40 times Delta
     tols = {"delta": (1e-5, 1e-3), "lse2": (1e-6, 1e-5), "d_sink_rows": (1e-4, 1e-3)}

@@ -246,8 +246,10 @@ def rel_errors(ours, ref, names) -> str:
 class StageClock:
     """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main, bwd_finish
     and the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark
-    on each side of every launch; the exact dKV's grid kernels count as one stage ("grid"), its
-    re-run plan and slot compaction as another ("re-run plan"); where ``inner`` fuses the
+    on each side of every launch; the deterministic backward's ``grid_rows`` (its preprocess,
+    with the rows' grid weights) counts as "preprocess", its other two grid kernels as one
+    stage ("grid"), its re-run plan and slot compaction as another ("re-run plan"); where
+    ``inner`` fuses the
     preprocess into the atomic main kernel (``interface.FUSED_PREPROCESS``), "main" includes it
     and there is no "preprocess" stage.  It keeps what the deterministic backward hands its
     exact dKV passes: the first pass's per-key bound and the re-run pass's slots (the first
@@ -284,7 +286,8 @@ class StageClock:
             self.rerun_idx = (indices, counts)
 
     def exact_grid_rows(self, *args):
-        self._launch("grid", self.inner.exact_grid_rows, *args)
+        # the deterministic backward's preprocess (with the rows' grid weights)
+        self._launch("preprocess", self.inner.exact_grid_rows, *args)
 
     def exact_grid_scatter(self, *args):
         self._launch("grid", self.inner.exact_grid_scatter, *args)

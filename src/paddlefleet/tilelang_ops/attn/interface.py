@@ -69,6 +69,8 @@ class FusedPreprocess(NamedTuple):
     """What ``bwd_main(..., pre=...)`` needs to do the preprocess's work itself: with it the
     main kernel writes ``lse2`` and ``delta`` (``[B, S, H_pad] fp32``, otherwise its inputs)
     and ``d_sink_rows`` from these, with the values and pad-head zeros of ``bwd_preprocess``.
+    The deterministic backward's ``exact_grid_rows`` takes the same fields (it writes the same
+    three outputs).
 
     natural: the format of ``lse`` (``True``: natural log, sink-exclusive; ``False``: base 2,
         sink-inclusive).
@@ -98,11 +100,10 @@ class TileLangKernels:
     dkv_acc, over, any_over, ...)`` also sets ``any_over [B] int32`` (zeroed by the caller) to
     1 for each batch with a re-run key; ``exact_rerun_slots(indices, over, any_over, indices2,
     counts)`` writes ``counts = 0`` and leaves ``indices2`` unwritten in the rows of the other
-    batches (the re-run reads no slot of a row with ``counts = 0``).  ``bwd_preprocess``
-    takes an optional last output ``do2`` (``[B S, H_pad] fp64``, each (row, head)'s
-    ``|dO|^2``; 0 at pad heads): the deterministic backward passes it and hands it to
-    ``exact_grid_rows(d_v, q, do2, ...)``, which reads it in place of ``dO``; the atomic
-    backward passes none (its kernel is the one without that output).  ``bwd_main`` takes an
+    batches (the re-run reads no slot of a row with ``counts = 0``).  The deterministic
+    backward launches no ``bwd_preprocess``: ``exact_grid_rows(natural, q, out, grad_out, lse,
+    sink, indices, kv_norm, delta, lse2, d_sink_rows, c_row, kv_coef)`` writes the
+    preprocess's three outputs too, in the same pass as the rows' grid weights.  ``bwd_main`` takes an
     optional last argument ``pre``, a :class:`FusedPreprocess`, for the head tiles in the
     provider's ``fused_preprocess_tiles`` (here the 64-head tile, whose two-warpgroup kernel
     has the preprocess as a prologue): the atomic backward then launches no
@@ -112,7 +113,7 @@ class TileLangKernels:
     ``bwd_main`` and ``bwd_finish`` is the provider's own (these kernels permute the 64-head
     tiles', ``tiling.dkv_column``); ``bwd_finish`` writes the bf16 dKV in the real order.
     Compiled kernels are cached by TileLang per static specialisation (head tile, Dk, Dv, dKV
-    mode, dQ on/off, the preprocess's lse format and ``do2``, fused or not); shapes are dynamic.
+    mode, dQ on/off, the preprocess's lse format, fused or not); shapes are dynamic.
     """
 
     device = "cuda"
@@ -164,15 +165,11 @@ class TileLangKernels:
             int(s_kv))
         return part, safe
 
-    def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows,
-                       do2=None):
+    def bwd_preprocess(self, natural, out, grad_out, lse, sink, delta, lse2, d_sink_rows):
         from .kernels import pre_args
 
-        key = ("bwd_pre",) + pre_args(natural, do2 is not None, int(out.shape[-1]))
-        if do2 is None:
-            self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows)
-        else:
-            self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows, do2)
+        key = ("bwd_pre",) + pre_args(natural, int(out.shape[-1]))
+        self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows)
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
@@ -195,9 +192,13 @@ class TileLangKernels:
         self._kernel(key)(dkv_acc, inv_grid, dkv)
 
     # --- the exact dKV's bookkeeping (kernels/exact_grid.py) --------------------------------
-    def exact_grid_rows(self, d_v, q, do2, indices, kv_norm, c_row, kv_coef):
-        key = ("grid_rows", int(q.shape[-1]), int(d_v))
-        self._kernel(key)(q, do2, indices, kv_norm, c_row, float(kv_coef))
+    def exact_grid_rows(self, natural, q, out, grad_out, lse, sink, indices, kv_norm, delta,
+                        lse2, d_sink_rows, c_row, kv_coef):
+        from .kernels import grid_rows_args
+
+        key = ("grid_rows",) + grid_rows_args(natural, int(q.shape[-1]), int(out.shape[-1]))
+        self._kernel(key)(q, out, grad_out, lse, sink, indices, kv_norm, delta, lse2,
+                          d_sink_rows, c_row, float(kv_coef))
 
     def exact_grid_scatter(self, c_row, top, indices, est):
         self._kernel(("grid_scatter",))(c_row, top, indices, est)
@@ -314,18 +315,21 @@ def _checks_last(after):
         after()
 
 
-def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=None, groups=1):
+def _grid_estimate(ops, provider, query, grad_out, pre, delta, lse2, kv, idx, sm_scale,
+                   finish=None, groups=1):
     """``inv_grid [B, S_kv] fp32``: ``1 / g_j = 2**-e_j`` of the first pass's per-key grids, for
-    ``query [B, S, H, Dk]`` (the real heads, contiguous), ``do2 [B, S, H_pad] fp64`` (each
-    (row, head)'s ``|dO_sh|^2``, from the preprocess: ``_bwd``), ``Dv`` and ``idx [B, S, L]``
-    int32 (``-1``: no key).
+    ``query [B, S, H, Dk]`` and ``grad_out [B, S, H, Dv]`` (the real heads, contiguous) and
+    ``idx [B, S, L]`` int32 (``-1``: no key); its first kernel (``grid_rows``) is also the
+    deterministic backward's preprocess: from ``pre`` (:class:`FusedPreprocess`: ``out``,
+    ``lse``, ``sink``, the lse format) it writes ``delta``, ``lse2`` and ``pre.d_sink_rows``
+    (``[B, S, H_pad] fp32``) as ``bwd_preprocess`` would.
 
     A deterministic guess of each key's sum of contributions if attention were uniform: a row
     ``s`` with ``L_s`` valid slots gives each key about ``c_s = 4 / L_s * sqrt(sum_h |dO_sh|^2
     ((sm_scale kv_rms |q_sh|)^2 / Dk + 1 / Dv))`` per column (the per-head terms of
     ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns), in fp64 from
-    the bf16 inputs (kernel ``grid_rows``; ``|dO_sh|^2`` summed by the preprocess, which reads
-    dO anyway, so that ``grid_rows`` reads only q).  The sum over a key's rows ``E_j`` is taken
+    the bf16 inputs (kernel ``grid_rows``, which streams ``out`` and ``dO`` for the preprocess
+    anyway).  The sum over a key's rows ``E_j`` is taken
     in int64 fixed point, in units of ``2^-F`` with ``F = 40 - ceil(log2 max_s c_s)`` (exact,
     so order-free; ``grid_scatter``), and ``e_j = ceil(log2 E_j) - F + GRID_MARGIN_BITS -
     EXACT_BITS + ceil(log2 groups)``, clipped to ``_GRID_EXP_RANGE`` (``grid_keys``).  ``groups``
@@ -348,7 +352,8 @@ def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=Non
     # (sm_scale kv_rms)^2 / Dk = ||kv||_F^2 kv_coef (the kernel squares the norm in fp64)
     kv_coef = sm_scale * sm_scale / (max(1, b * s_kv * d_k) * d_k)
     c_row = ops.empty((b, s), "float64", idx)
-    provider.exact_grid_rows(d_v, query, do2, idx, kv_norm, c_row, kv_coef)
+    provider.exact_grid_rows(pre.natural, query, pre.out, grad_out, pre.lse, pre.sink, idx,
+                             kv_norm, delta, lse2, pre.d_sink_rows, c_row, kv_coef)
     if finish is not None:
         # the deferred value checks: grid_rows only counts a row's slots >= 0; grid_scatter is
         # the first kernel that dereferences an index
@@ -363,14 +368,16 @@ def _grid_estimate(ops, provider, query, do2, d_v, kv, idx, sm_scale, finish=Non
     return inv_grid
 
 
-def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, do2,
-               sm_scale, finish=None):
+def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, query, grad_out,
+               pre, sm_scale, finish=None):
     """Deterministic dKV and dq, exact on per-key grids: returns ``(acc, inv_grid)``, the
     accumulator (fp32 ``[B, S_kv, Dk]``, in grid units, the provider's column order) and the
-    inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).
+    inverse grids (fp32 ``[B, S_kv]``); ``dKV = acc / inv_grid`` (``bwd_finish``).  Writes
+    ``lse2``, ``delta`` and ``pre.d_sink_rows`` first (the preprocess, in
+    :func:`_grid_estimate`'s first kernel).
 
     Pass 1 (``main``, exact mode, with dq) on the grids of :func:`_grid_estimate` (from
-    ``query``, the real heads, and ``do2``, the preprocess's ``|dO|^2``): every
+    ``query`` and ``grad_out``, the real heads): every
     contribution ``c`` to key ``j`` becomes the integer ``k = round(c / g_j)`` and is added in
     fp32; the kernel also sums exactly, in int64,
     ``Bound_j = sum over contributions of ceil(u)``, ``u = max_d |c_d / g_j|`` taken before the
@@ -396,8 +403,8 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
             f"query: S={s} x {plan.num_groups} head group(s) rows may add to one key, more than "
             f"the exact dKV accumulation proves (2^{EXACT_BITS - 1})")
     # the real heads; finish: the deferred value checks (see _grid_estimate)
-    inv_grid = _grid_estimate(ops, provider, query, do2, ops.shape(do)[-1], kv, idx, sm_scale,
-                              finish, plan.num_groups)
+    inv_grid = _grid_estimate(ops, provider, query, grad_out, pre, delta, lse2, kv, idx,
+                              sm_scale, finish, plan.num_groups)
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
@@ -521,9 +528,8 @@ def mqa_latent_sparse_bwd(
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and
             processes: each key's dKV is summed exactly on a power-of-two grid of its own
             (:func:`_exact_dkv`; the precision is stated in ``docs/conventions.md``), with the
-            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16 + 8*H_pad) + 4*B``
-            bytes of scratch (``L`` padded; ``8*H_pad``: the rows' fp64 ``|dO|^2``; ``4*B``:
-            the re-run's per-batch flag).  ``False``: plain fp32 atomics for dKV (last-bit
+            atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16) + 4*B`` bytes of
+            scratch (``L`` padded; ``4*B``: the re-run's per-batch flag).  ``False``: plain fp32 atomics for dKV (last-bit
             differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
@@ -552,43 +558,46 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
          block_h, deterministic, lse_format, values=None):
     """:func:`mqa_latent_sparse_bwd` on checked inputs (the op calls this with the tensors its
     forward checked and saved); ``values``: the deferred value checks, launched after the
-    preprocess (which reads no index) and finished (raising on bad values) before the call
-    returns, or, without a safe copy of the indices (:func:`_pending_checks`), before the
-    first kernel that dereferences one (the deterministic mode's ``grid_scatter``, the atomic
-    mode's ``main``), so that the GPU works while their numbers reach the host (run 41: a sync
-    first had left it idle for ~0.3-0.5 ms of host time per call).  The atomic mode on a tile
-    the provider fuses (:func:`_fuses_preprocess`, :data:`FUSED_PREPROCESS`) launches no
-    preprocess: its main kernel does that work (it reads indices, so it still waits for the
-    checks first when there is no safe copy)."""
+    atomic mode's separate preprocess (which reads no index; the deterministic mode's
+    ``grid_rows`` comes after them: it reads the indices, if only to count them) and finished
+    (raising on bad values) before the call returns, or, without a safe copy of the indices
+    (:func:`_pending_checks`), before the first kernel that dereferences one (the
+    deterministic mode's ``grid_scatter``, the atomic mode's ``main``), so that the GPU works
+    while their numbers reach the host (run 41: a sync first had left it idle for ~0.3-0.5 ms
+    of host time per call).  The atomic mode on a tile the provider fuses
+    (:func:`_fuses_preprocess`, :data:`FUSED_PREPROCESS`) launches no preprocess: its main
+    kernel does that work (it reads indices, so it still waits for the checks first when there
+    is no safe copy)."""
     tiling.check_head_dims(dims.Dk, dims.Dv)
     plan = tiling.head_plan(dims.H, block_h)
     ops = ops_for(query, kv, out, grad_out, lse, attn_sink, token_indices)
     B, S, H, h_pad = dims.B, dims.S, dims.H, plan.padded_heads
 
-    # One kernel over the real heads (no padding copy of out / grad_out; fused: the atomic
-    # main kernel's prologue), written for the padded heads (0 at pad heads): Delta; the
-    # base-2, sink-inclusive lse, finite (a row with no key and no sink has every P = 0: any
-    # finite lse2 gives exp2(-inf - lse2) = 0, so 0; a NaN lse, possible with
-    # check_indices=False, stays NaN, never a plausible 0); each row's term of d_sink,
-    # -P_sink Delta (docs/conventions.md); deterministic: also each (row, head)'s |dO|^2 in
-    # fp64 for the grid estimate (grid_rows then does not read dO again).
+    # The preprocess: one pass over the real heads (no padding copy of out / grad_out) that
+    # writes, for the padded heads (0 at pad heads): Delta; the base-2, sink-inclusive lse,
+    # finite (a row with no key and no sink has every P = 0: any finite lse2 gives
+    # exp2(-inf - lse2) = 0, so 0; a NaN lse, possible with check_indices=False, stays NaN,
+    # never a plausible 0); each row's term of d_sink, -P_sink Delta (docs/conventions.md).
+    # Its own launch (bwd_preprocess) only in the atomic mode on tiles the provider does not
+    # fuse; fused: the atomic main kernel's prologue; deterministic: grid_rows, the first
+    # kernel of the grid estimate (it reads q for the grids in the same pass).
     out_c = ops.contiguous(out)
     do_c = ops.contiguous(grad_out)
     lse_f = ops.contiguous(lse)
     delta_p = ops.empty((B, S, h_pad), "float32", do_c)
     lse2_p = ops.empty((B, S, h_pad), "float32", do_c)
     d_sink_rows = ops.empty((B * S, h_pad), "float32", do_c)
-    do2 = ops.empty((B, S, h_pad), "float64", do_c) if deterministic else None
     sink_h = _sink_vector(ops, attn_sink, H, H, lse_f)
+    pre = FusedPreprocess(lse_format == "natural", out_c, lse_f, sink_h,
+                          ops.reshape(d_sink_rows, (B, S, h_pad)))
     fused = (FUSED_PREPROCESS and not deterministic
              and _fuses_preprocess(provider, plan.heads_per_cta))
-    if not fused:
-        provider.bwd_preprocess(lse_format == "natural", ops.reshape(out_c, (B * S * H, dims.Dv)),
+    if not fused and not deterministic:
+        provider.bwd_preprocess(pre.natural, ops.reshape(out_c, (B * S * H, dims.Dv)),
                                 ops.reshape(do_c, (B * S * H, dims.Dv)),
                                 ops.reshape(lse_f, (B * S * H,)), sink_h,
                                 ops.reshape(delta_p, (B * S, h_pad)),
-                                ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows,
-                                *(() if do2 is None else (ops.reshape(do2, (B * S, h_pad)),)))
+                                ops.reshape(lse2_p, (B * S, h_pad)), d_sink_rows)
     indices, before, after = _pending_checks(values, token_indices)
     with _checks_last(after):
         query_c = ops.contiguous(query)
@@ -601,19 +610,18 @@ def _bwd(provider, dims, query, kv, out, grad_out, lse, attn_sink, token_indices
         dq = ops.empty((B, S, h_pad, dims.Dk), "bfloat16", q)
         if deterministic:
             acc, inv_grid = _exact_dkv(ops, provider, plan, q, kv_c, do_p, idx, lse2_p, delta_p,
-                                       scale, dq, query_c, do2, sm_scale, before)
+                                       scale, dq, query_c, do_c, pre, sm_scale, before)
         else:
             acc = ops.zeros((B, dims.S_kv, dims.Dk), "float32", q)
             inv_grid = ops.empty((B, dims.S_kv), "float32", q)  # the atomic mode reads no grid
             # fused: lse2_p, delta_p and d_sink_rows are written by the main kernel
-            pre = {"pre": FusedPreprocess(lse_format == "natural", out_c, lse_f, sink_h,
-                                          ops.reshape(d_sink_rows, (B, S, h_pad)))} if fused else {}
             if before is not None:
                 before()  # before the first kernel that dereferences an index
             provider.bwd_main(plan.heads_per_cta, "atomic", True, q, kv_c, do_p, idx, lse2_p,
                               delta_p, scale, inv_grid, ops.empty((B, S), "int32", q), dq, acc,
                               ops.empty((B, dims.S_kv), "int64", q),
-                              ops.empty((B, dims.S_kv), "int32", q), **pre)
+                              ops.empty((B, dims.S_kv), "int32", q),
+                              **({"pre": pre} if fused else {}))
         dkv = ops.empty((B, dims.S_kv, dims.Dk), "bfloat16", q)
         provider.bwd_finish(plan.heads_per_cta, deterministic, acc, inv_grid, dkv)
         # d_sink[h] = -sum over rows of P_sink Delta: one framework reduction over B*S rows, whose

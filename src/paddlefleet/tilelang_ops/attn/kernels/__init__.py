@@ -4,15 +4,16 @@
 * ``value_stats.value_stats``: the wrappers' value checks (index range, NaN/+inf sinks, NaN
   lse) in one launch;
 * the backward, in launch order: ``sparse_bwd.preprocess`` (Delta, the base-2 lse and the rows'
-  ``d_sink`` terms; for the deterministic backward also each row's ``|dO|^2`` in fp64, which
-  ``grid_rows`` takes; the atomic backward of 64-head tiles has it fused into ``main``'s
-  prologue instead, ``main_args(..., fused=True)``) -> ``sparse_bwd.main``
+  ``d_sink`` terms; the atomic backward of 64-head tiles has it fused into ``main``'s prologue
+  instead, ``main_args(..., fused=True)``, and the deterministic backward has it in
+  ``exact_grid.grid_rows``) -> ``sparse_bwd.main``
   (dQ and dKV; ``mode="exact"`` for the deterministic backward, then once more with
   ``with_dq=False`` for the keys whose exactness bound failed; ``mode="atomic"`` otherwise)
   -> ``sparse_bwd.finish`` (the fp32 dKV accumulator to bf16: the 64-head tiles' column order
   undone, the exact mode's grids applied).
-* around the exact dKV passes (``deterministic=True``), ``exact_grid``: the first pass's
-  per-key grids (``grid_rows`` -> ``grid_scatter`` -> ``grid_keys``) and, after it, which keys
+* around the exact dKV passes (``deterministic=True``), ``exact_grid``: the preprocess with the
+  first pass's per-key grids (``grid_rows`` -> ``grid_scatter`` -> ``grid_keys``) and, after
+  it, which keys
   re-run (``rerun_plan``, with a flag per batch that has any) and their slots (``rerun_slots``,
   which skips the unflagged batches): small kernels in place of ~40 framework ops.
 * ``async_copy``: the 16-byte ``cp.async`` macros (query tile, key-block gather) that both
@@ -65,11 +66,14 @@ def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_
     return args + MAIN_KNOB_DEFAULTS[len(knobs):] + (True, bool(natural))
 
 
-def pre_args(natural: bool, with_do2: bool, d_v: int = D_V):
-    """Static arguments of ``sparse_bwd.preprocess``: ``with_do2`` (the deterministic backward:
-    also ``|dO|^2`` per row for ``exact_grid.grid_rows``) only when set, so that the atomic
-    backward's kernel is built from the same arguments as before it existed."""
-    return (d_v, bool(natural), True) if with_do2 else (d_v, bool(natural))
+def pre_args(natural: bool, d_v: int = D_V):
+    """Static arguments of ``sparse_bwd.preprocess`` (the atomic backward's, where not fused)."""
+    return (d_v, bool(natural))
+
+
+def grid_rows_args(natural: bool, d_qk: int = D_QK, d_v: int = D_V):
+    """Static arguments of ``exact_grid.grid_rows`` (the deterministic backward's preprocess)."""
+    return (d_qk, d_v, bool(natural))
 
 
 def finish_args(heads_per_cta: int, scaled: bool, d_qk: int = D_QK):
@@ -84,10 +88,10 @@ def specs(heads=HEAD_TILES) -> list:
     (the exact dKV's bookkeeping kernels do not depend on the head tile: always listed)."""
     out = [("value_stats", (True, False)), ("value_stats", (False, False)),
            ("value_stats", (True, True)), ("value_stats", (False, True)),
-           # the preprocess per lse format, without (atomic) and with |dO|^2 (deterministic)
-           *[("bwd_pre", pre_args(natural, with_do2))
-             for with_do2 in (False, True) for natural in (True, False)],
-           ("grid_rows", (D_QK, D_V)), ("grid_scatter", ()), ("grid_keys", ()),
+           # the preprocess per lse format: atomic (where not fused), deterministic (grid_rows)
+           *[("bwd_pre", pre_args(natural)) for natural in (True, False)],
+           *[("grid_rows", grid_rows_args(natural)) for natural in (True, False)],
+           ("grid_scatter", ()), ("grid_keys", ()),
            ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
     for m in heads:
         out.append(("fwd", (m, D_QK, D_V)))

@@ -5,14 +5,14 @@
 after it, the keys to re-run, all on the device (no host sync, no data-dependent shape), in
 launch order:
 
-``grid_rows``     one CTA per query row ``(b, s)``: ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2
+``grid_rows``     one CTA per query row ``(b, s)``: the deterministic backward's preprocess
+                  (``Delta``, ``Lse2``, ``DSink`` per head, as ``sparse_bwd.preprocess`` writes
+                  them for the atomic backward) and ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2
                   (kscale |q_sh|^2 + 1 / Dv)) / max(1, n_valid)`` in fp64, ``kscale = KvNorm^2
-                  kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots with a key;
-                  ``|dO_sh|^2`` (fp64 ``DO2 [B, S, H_pad]``) from the backward's preprocess,
-                  which streams dO anyway (``sparse_bwd.preprocess(with_do2=True)``), ``|q_sh|^2``
-                  from ``Q``.  The squares of the bf16 inputs and every sum are fp64 (no overflow
-                  or underflow at any bf16 magnitude), added in a fixed order: repeatable bit
-                  for bit.
+                  kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots with a key,
+                  in one pass over ``out``, ``dO`` and ``q``.  The squares of the bf16 inputs
+                  and every sum of them are fp64 (no overflow or underflow at any bf16
+                  magnitude), added in a fixed order: repeatable bit for bit.
 ``grid_scatter``  one CTA per query row: the row's weight in int64 fixed point,
                   ``ceil(ldexp(CRow, frac_bits))`` with ``frac_bits = 40 - ceil(log2 top)``
                   (``top`` the largest ``CRow``, a framework ``amax``), added with int64 atomics
@@ -38,6 +38,7 @@ tensor's end or dereferences a ``-1`` slot (or any index outside ``[0, S_kv)``).
 """
 
 from ... import settings
+from .sparse_bwd import LOG2E, sink_lse2
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -68,57 +69,66 @@ def _warp_sum(x):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def grid_rows(d_qk: int, d_v: int, threads: int = 256):
-    """``CRow [B, S] fp64`` from ``Q [B, S, H, Dk]`` (bf16, the real heads), ``DO2 [B, S, H_pad]
-    fp64`` (``|dO_sh|^2``, written by the backward's preprocess, ``sparse_bwd.preprocess`` with
-    ``with_do2``: the fp64 sum of the bf16 ``dO`` row's squares, each exact, in a fixed order;
-    only ``h < H`` is read, ``H_pad >= H``), ``Indices [B, S, L] int32``, ``KvNorm [1] fp32``
-    (the Frobenius norm of kv) and the scalar ``kv_coef = sm_scale^2 / (numel(kv) Dk)``; ``Dv``
-    (static) gives the ``1 / Dv`` term.  ``|dO|^2`` comes from the preprocess because it
-    streams dO anyway: this kernel then reads ``Q`` only (dO is 268 MB at the reference shape,
-    ``DO2`` 2 MB).
+def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 256):
+    """The deterministic backward's preprocess and the rows' grid weights, in one pass over
+    ``out``, ``dO`` and ``q`` (one CTA per query row ``(b, s)``).  Per real head ``h`` what
+    ``sparse_bwd.preprocess`` writes for the atomic backward: ``Delta = rowsum(O dO)`` (fp32),
+    ``Lse2`` (:func:`sparse_bwd.sink_lse2`, ``natural`` as there), ``DSink = -2^(sink log2 e -
+    Lse2) Delta``, and 0 in all three at the pad heads ``H <= h < H_pad``; per row
+    ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2 (kscale |q_sh|^2 + 1 / Dv)) / max(1, n_valid)`` in
+    fp64 (``kscale = KvNorm^2 kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots
+    with a key: counted, never dereferenced).  Inputs ``Q [B, S, H, Dk]``, ``O``, ``dO [B, S,
+    H, Dv]`` bf16 (the real heads), ``Lse [B, S, H]``, ``Sink [H]`` fp32 (``-inf``: no sink),
+    ``Indices [B, S, L]``, ``KvNorm [1]`` fp32, the scalar ``kv_coef``; outputs ``Delta``,
+    ``Lse2``, ``DSink [B, S, H_pad]`` fp32 and ``CRow [B, S]`` fp64.
 
-    One CTA per row; warp ``w`` takes heads ``w, w + NW, ...``; each lane reads 16 bytes of
-    ``Q`` at a time (a row of one head is ``Dk / 8`` such vectors, coalesced over the warp),
-    squares in fp64 and sums; a butterfly gives the head's ``|q|^2`` to every lane, which adds
-    ``DO2[b, s, h] (kscale |q|^2 + 1 / Dv)`` to the warp's sum.  The warps' sums over their
-    heads and their valid-slot counts meet in shared memory and thread 0 adds them in warp
-    order.  Every order is fixed: the result is repeatable bit for bit."""
-    assert d_qk % VEC == 0 and threads % WARP == 0
+    Why one kernel: the preprocess and the grid weights each streamed their inputs (``O`` and
+    ``dO``, then ``q``) in a launch of their own, with ``|dO|^2`` handed between them in fp64;
+    here each (row, head) is read once, 3.4 KB per head.  Warp ``w`` takes heads ``w, w + NW,
+    ...``; for a head each lane first issues all its 16-byte loads (``O``, ``dO`` and ``q``:
+    independent, ~3.5 KB in flight per warp), then multiplies (``O dO`` in fp32) and squares
+    (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or underflow at any
+    bf16 magnitude); butterflies give the head's three sums to every lane and lane 0 writes the
+    head's values.  The warps' weights and slot counts meet in shared memory and thread 0 adds
+    them in warp order.  Every order is fixed: repeatable bit for bit."""
+    assert d_qk % VEC == 0 and d_v % VEC == 0 and threads % WARP == 0
     NW = threads // WARP
-    QV = d_qk // VEC  # 16-byte vectors per head row
+    QV = d_qk // VEC  # 16-byte vectors per head row of q
+    OV = d_v // VEC  # ... of O and dO
+    QR = (QV + WARP - 1) // WARP  # per lane
+    OR = (OV + WARP - 1) // WARP
     B = T.dynamic("B")
     S = T.dynamic("S")
     H = T.dynamic("H")
     H_pad = T.dynamic("H_pad")
     L = T.dynamic("L")
 
-    @T.macro
-    def sum_squares(X, nvec, b_i, s_i, h, lane, vec, acc):
-        # |X[b, s, h, :]|^2 in fp64, the warp's sum on every lane
-        acc[0] = 0
-        for i in T.unroll((nvec + WARP - 1) // WARP):
-            if i * WARP + lane < nvec:
-                for e in T.vectorized(VEC):
-                    vec[e] = X[b_i, s_i, h, (i * WARP + lane) * VEC + e]
-                for e in T.unroll(VEC):
-                    acc[0] = acc[0] + T.Cast("float64", vec[e]) * T.Cast("float64", vec[e])
-        _warp_sum(acc)
-
     @T.prim_func
     def exact_grid_rows(
         Q: T.Tensor([B, S, H, d_qk], "bfloat16"),
-        DO2: T.Tensor([B, S, H_pad], "float64"),
+        O: T.Tensor([B, S, H, d_v], "bfloat16"),
+        dO: T.Tensor([B, S, H, d_v], "bfloat16"),
+        Lse: T.Tensor([B, S, H], "float32"),
+        Sink: T.Tensor([H], "float32"),
         Indices: T.Tensor([B, S, L], "int32"),
         KvNorm: T.Tensor([1], "float32"),
+        Delta: T.Tensor([B, S, H_pad], "float32"),
+        Lse2: T.Tensor([B, S, H_pad], "float32"),
+        DSink: T.Tensor([B, S, H_pad], "float32"),
         CRow: T.Tensor([B, S], "float64"),
         kv_coef: T.float64,
     ):
         with T.Kernel(S, B, threads=threads) as (s_i, b_i):
             w_part = T.alloc_shared([NW], "float64")
             n_part = T.alloc_shared([NW], "int32")
-            qv = T.alloc_local([VEC], "bfloat16")
+            ov = T.alloc_local([OR * VEC], "bfloat16")
+            dv = T.alloc_local([OR * VEC], "bfloat16")
+            qv = T.alloc_local([QR * VEC], "bfloat16")
+            dl = T.alloc_local([1], "float32")
+            d2 = T.alloc_local([1], "float64")
             q2 = T.alloc_local([1], "float64")
+            sink2 = T.alloc_local([1], "float32")
+            lse2 = T.alloc_local([1], "float32")
             w = T.alloc_local([1], "float64")
             n = T.alloc_local([1], "int32")
             kscale = T.alloc_local([1], "float64")
@@ -129,9 +139,48 @@ def grid_rows(d_qk: int, d_v: int, threads: int = 256):
             kscale[0] = T.Cast("float64", KvNorm[0]) * T.Cast("float64", KvNorm[0]) * kv_coef
             w[0] = 0
             for hh in T.serial(T.ceildiv(H, NW)):
-                if hh * NW + warp < H:  # the same for the whole warp: its shuffles stay whole
-                    sum_squares(Q, QV, b_i, s_i, hh * NW + warp, lane, qv, q2)
-                    w[0] = w[0] + DO2[b_i, s_i, hh * NW + warp] * (kscale[0] * q2[0] + 1.0 / d_v)
+                h = hh * NW + warp
+                if h < H:  # the same for the whole warp: its shuffles stay whole
+                    for i in T.unroll(OR):
+                        if i * WARP + lane < OV:
+                            for e in T.vectorized(VEC):
+                                ov[i * VEC + e] = O[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+                            for e in T.vectorized(VEC):
+                                dv[i * VEC + e] = dO[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+                    for i in T.unroll(QR):
+                        if i * WARP + lane < QV:
+                            for e in T.vectorized(VEC):
+                                qv[i * VEC + e] = Q[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+                    dl[0] = 0
+                    d2[0] = 0
+                    q2[0] = 0
+                    for i in T.unroll(OR):
+                        if i * WARP + lane < OV:
+                            for e in T.unroll(VEC):
+                                dl[0] = dl[0] + T.Cast("float32", ov[i * VEC + e]) * T.Cast(
+                                    "float32", dv[i * VEC + e])
+                                d2[0] = d2[0] + T.Cast("float64", dv[i * VEC + e]) * T.Cast(
+                                    "float64", dv[i * VEC + e])
+                    for i in T.unroll(QR):
+                        if i * WARP + lane < QV:
+                            for e in T.unroll(VEC):
+                                q2[0] = q2[0] + T.Cast("float64", qv[i * VEC + e]) * T.Cast(
+                                    "float64", qv[i * VEC + e])
+                    _warp_sum(dl)
+                    _warp_sum(d2)
+                    _warp_sum(q2)
+                    w[0] = w[0] + d2[0] * (kscale[0] * q2[0] + 1.0 / d_v)
+                    if lane == 0:
+                        sink2[0] = Sink[h] * LOG2E
+                        lse2[0] = sink_lse2(Lse[b_i, s_i, h], sink2[0], natural)
+                        Delta[b_i, s_i, h] = dl[0]
+                        Lse2[b_i, s_i, h] = lse2[0]
+                        DSink[b_i, s_i, h] = -T.exp2(sink2[0] - lse2[0]) * dl[0]
+            for p in T.serial(T.ceildiv(H_pad - H, threads)):
+                if H + p * threads + tx < H_pad:
+                    Delta[b_i, s_i, H + p * threads + tx] = 0.0
+                    Lse2[b_i, s_i, H + p * threads + tx] = 0.0
+                    DSink[b_i, s_i, H + p * threads + tx] = 0.0
             n[0] = 0
             for i in T.serial(T.ceildiv(L, threads)):
                 if i * threads + tx < L:

@@ -4,7 +4,8 @@ Run in this order by ``attn/interface.py``:
 
 ``preprocess``   ``Delta[n] = sum_d O[n, d] * dO[n, d]`` (fp32) over the flattened rows
                  ``n = (b, s, h)`` of the real heads (the atomic backward of 64-head tiles
-                 does this in ``main``'s prologue instead: :func:`_two_warpgroups`, ``fused``).
+                 does this in ``main``'s prologue instead: :func:`_two_warpgroups`, ``fused``;
+                 the deterministic backward in ``exact_grid.grid_rows``).
 ``main``         one CTA per (query row ``s``, batch ``b``, head group ``g``) walks the row's top-k
                  slots in key blocks of ``BK``; per block it gathers the latent rows through
                  clamped indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2``
@@ -45,6 +46,10 @@ from tilelang import language as T  # noqa: E402
 __all__ = ["preprocess", "main", "finish"]
 
 LOG2E = 1.4426950408889634
+#: The exact mode's re-run (``main`` with ``with_dq=False``) runs on this many CTAs per (batch,
+#: head group), each walking every ``RERUN_CTAS``-th row: the SMs of an H100 / H200 (one CTA
+#: each: its shared memory).
+RERUN_CTAS = 132
 
 #: The 64-head first pass's default schedule (docs/performance.md, runs 38-40): whether its dKV
 #: warpgroup also adds dQ's rope tail and gathers the next block's right half (``w1_right``).
@@ -123,11 +128,12 @@ def sink_lse2(lse, sink2, natural):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int = 32,
-               block_d: int = 128, threads: int = 128):
-    """Everything the backward needs per (query row, head) before its main kernel, in one pass
-    over ``out`` and ``dO`` (it replaced ~12 framework ops of the lse bridge, the head padding and
-    ``d_sink``, run 41):
+def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128,
+               threads: int = 128):
+    """Everything the atomic backward needs per (query row, head) before its main kernel, in one
+    pass over ``out`` and ``dO`` (it replaced ~12 framework ops of the lse bridge, the head
+    padding and ``d_sink``, run 41; 64-head tiles do this in ``main``'s prologue instead, and the
+    deterministic backward in ``exact_grid.grid_rows``, with the same formulas):
 
     * ``Delta [R, H_pad] = rowsum(O * dO)`` (fp32),
     * ``Lse2 [R, H_pad]``: the base-2, sink-inclusive lse the main kernels take; from a
@@ -136,18 +142,6 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
       stays NaN (``docs/conventions.md``, the bridge),
     * ``DSink [R, H_pad] = -2^(sink log2 e - Lse2) Delta``, the row's term of ``d_sink``
       (``-P_sink Delta``; 0 for a ``-inf`` sink),
-    * with ``with_do2`` (the deterministic backward) also ``DO2 [R, H_pad] fp64``, ``|dO|^2``:
-      the sum of the squares of the row's ``Dv`` values, for ``exact_grid.grid_rows`` (which
-      then does not read dO again): each bf16 value widened to fp64 and squared there (exact),
-      the squares added in fp64 in a fixed order (each thread adds its 8 values of each column
-      block, block after block, then a butterfly over the row's 16 threads): bit for bit
-      repeatable, no overflow or underflow at any bf16 magnitude.  Explicit per-thread code
-      (an fp64 fragment next to ``acc`` made TileLang choose 2-element vectors and a
-      shared-memory reduction); its 16-byte loads of dO repeat those ``acc`` just made (the
-      same thread, the same addresses: cache hits, not a second pass over DRAM; nvcc does not
-      merge the two).  ``Delta``, ``Lse2`` and ``DSink`` are computed as without it; without
-      it the kernel has no ``DO2`` argument and lowers to the CUDA of before (the atomic
-      backward pays nothing),
 
     and 0 in all of them for the pad heads ``H <= h < H_pad`` (written by the thread of each
     row's last real head).  Inputs ``O``, ``dO [N, Dv]`` bf16 (``N = R H`` rows, head fastest),
@@ -162,90 +156,6 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
     H_pad = T.dynamic("H_pad")
     BR = block_rows
 
-    # with_do2: thread tx squares the 16-byte vector tx % TPR of rows i RPP + tx / TPR of each
-    # column block: the elements TileLang gives it in acc (the layout both builds lower to)
-    VEC = 8
-    TPR = block_d // VEC  # threads per row
-    RPP = threads // TPR  # rows per pass
-    assert not with_do2 or (block_d % VEC == 0 and threads % TPR == 0 and BR % RPP == 0
-                            and TPR <= 32 and 32 % TPR == 0)
-
-    @T.macro
-    def body(r_blk, O, dO, Lse, Sink, Delta, Lse2, DSink, DO2, sq, ov):
-        # DO2, sq [BR / RPP] fp64, ov [VEC] bf16: None unless with_do2 (allocated by the
-        # caller: a Python if does not bind what is allocated inside it)
-        acc = T.alloc_fragment([BR, block_d], "float32")
-        part = T.alloc_fragment([BR], "float32")
-        total = T.alloc_fragment([BR], "float32")
-        T.fill(total, 0)
-        if with_do2:
-            tx = T.get_thread_binding()
-            for i in T.unroll(BR // RPP):
-                sq[i] = 0
-        for c in T.serial(d_v // block_d):
-            for r, d in T.Parallel(BR, block_d):
-                n = r_blk * BR + r
-                acc[r, d] = T.if_then_else(
-                    n < N,
-                    T.Cast("float32", O[n, c * block_d + d])
-                    * T.Cast("float32", dO[n, c * block_d + d]),
-                    0,
-                )
-            if with_do2:
-                for i in T.unroll(BR // RPP):
-                    n = r_blk * BR + i * RPP + tx // TPR
-                    if n < N:
-                        for e in T.vectorized(VEC):
-                            ov[e] = dO[n, c * block_d + (tx % TPR) * VEC + e]
-                        for e in T.unroll(VEC):
-                            sq[i] = sq[i] + T.Cast("float64", ov[e]) * T.Cast("float64", ov[e])
-            T.reduce_sum(acc, part, dim=1)
-            for r in T.Parallel(BR):
-                total[r] = total[r] + part[r]
-        for r in T.Parallel(BR):
-            n = r_blk * BR + r
-            if n < N:
-                row = n // H
-                h = n % H
-                sink2 = Sink[h] * LOG2E
-                lse2 = sink_lse2(Lse[n], sink2, natural)
-                Delta[row, h] = total[r]
-                Lse2[row, h] = lse2
-                DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
-                if h == H - 1:
-                    for p in T.serial(H_pad - H):
-                        Delta[row, H + p] = 0.0
-                        Lse2[row, H + p] = 0.0
-                        DSink[row, H + p] = 0.0
-        if with_do2:
-            for i in T.unroll(BR // RPP):
-                # the row's TPR lanes: a butterfly (every lane ends with the same sum; each step
-                # adds a + b and b + a, equal); the lanes of a row past N add zeros
-                for k in T.unroll(TPR.bit_length() - 1):
-                    sq[i] = sq[i] + T.shfl_xor(sq[i], TPR >> (k + 1))
-                n = r_blk * BR + i * RPP + tx // TPR
-                if tx % TPR == 0 and n < N:
-                    DO2[n // H, n % H] = sq[i]
-                    if n % H == H - 1:
-                        for p in T.serial(H_pad - H):
-                            DO2[n // H, H + p] = T.float64(0)
-
-    if not with_do2:
-        @T.prim_func
-        def sparse_bwd_preprocess(
-            O: T.Tensor([N, d_v], "bfloat16"),
-            dO: T.Tensor([N, d_v], "bfloat16"),
-            Lse: T.Tensor([N], "float32"),
-            Sink: T.Tensor([H], "float32"),
-            Delta: T.Tensor([R, H_pad], "float32"),
-            Lse2: T.Tensor([R, H_pad], "float32"),
-            DSink: T.Tensor([R, H_pad], "float32"),
-        ):
-            with T.Kernel(T.ceildiv(N, BR), threads=threads) as r_blk:
-                body(r_blk, O, dO, Lse, Sink, Delta, Lse2, DSink, None, None, None)
-
-        return sparse_bwd_preprocess
-
     @T.prim_func
     def sparse_bwd_preprocess(
         O: T.Tensor([N, d_v], "bfloat16"),
@@ -255,12 +165,39 @@ def preprocess(d_v: int, natural: bool, with_do2: bool = False, block_rows: int 
         Delta: T.Tensor([R, H_pad], "float32"),
         Lse2: T.Tensor([R, H_pad], "float32"),
         DSink: T.Tensor([R, H_pad], "float32"),
-        DO2: T.Tensor([R, H_pad], "float64"),
     ):
         with T.Kernel(T.ceildiv(N, BR), threads=threads) as r_blk:
-            sq = T.alloc_local([BR // RPP], "float64")
-            ov = T.alloc_local([VEC], "bfloat16")
-            body(r_blk, O, dO, Lse, Sink, Delta, Lse2, DSink, DO2, sq, ov)
+            acc = T.alloc_fragment([BR, block_d], "float32")
+            part = T.alloc_fragment([BR], "float32")
+            total = T.alloc_fragment([BR], "float32")
+            T.fill(total, 0)
+            for c in T.serial(d_v // block_d):
+                for r, d in T.Parallel(BR, block_d):
+                    n = r_blk * BR + r
+                    acc[r, d] = T.if_then_else(
+                        n < N,
+                        T.Cast("float32", O[n, c * block_d + d])
+                        * T.Cast("float32", dO[n, c * block_d + d]),
+                        0,
+                    )
+                T.reduce_sum(acc, part, dim=1)
+                for r in T.Parallel(BR):
+                    total[r] = total[r] + part[r]
+            for r in T.Parallel(BR):
+                n = r_blk * BR + r
+                if n < N:
+                    row = n // H
+                    h = n % H
+                    sink2 = Sink[h] * LOG2E
+                    lse2 = sink_lse2(Lse[n], sink2, natural)
+                    Delta[row, h] = total[r]
+                    Lse2[row, h] = lse2
+                    DSink[row, h] = -T.exp2(sink2 - lse2) * total[r]
+                    if h == H - 1:
+                        for p in T.serial(H_pad - H):
+                            Delta[row, H + p] = 0.0
+                            Lse2[row, H + p] = 0.0
+                            DSink[row, H + p] = 0.0
 
     return sparse_bwd_preprocess
 
@@ -457,7 +394,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         Bound: T.Tensor([B, S_kv], "int64"),
         BoundExp: T.Tensor([B, S_kv], "int32"),
     ):
-        with T.Kernel(S, B, H_pad // M, threads=threads) as (s_i, b_i, g_i):
+        with T.Kernel(S if with_dq else RERUN_CTAS, B, H_pad // M, threads=threads) as (
+                bx, b_i, g_i):
             Q_shared = T.alloc_shared([M, D], dtype)
             Q_tail_shared = T.alloc_shared([M, D_tail], dtype)
             dO_shared = T.alloc_shared([M, D], dtype)
@@ -487,96 +425,103 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
-            # the re-run (with_dq=False): a row with no key to re-run (almost every row, in
-            # almost every call) loads nothing (run 39: the empty re-run's tile loads cost 0.16 ms)
-            if with_dq or Counts[b_i, s_i] > 0:
-                T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-                T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
-                T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
-            if with_dq:
-                T.clear(acc_dq)
-                T.clear(acc_dq_tail)
-            num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
+            # the re-run (with_dq=False): a fixed grid of RERUN_CTAS CTAs, each walking rows
+            # bx, bx + RERUN_CTAS, ...: almost every row of almost every call has no key to
+            # re-run (Counts = 0), and one CTA per row (1 per SM: its shared memory) made the
+            # empty re-run ~60 waves of CTAs that only read Counts (run 53: 0.05 ms at fleet)
+            for r in T.serial(1 if with_dq else T.ceildiv(S, RERUN_CTAS)):
+                s_i = bx if with_dq else bx + r * RERUN_CTAS
+                if with_dq or s_i < S:
+                    # the re-run: a row with no key to re-run loads nothing (run 39: the empty
+                    # re-run's tile loads cost 0.16 ms)
+                    if with_dq or Counts[b_i, s_i] > 0:
+                        T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
+                        T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+                        T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
+                    if with_dq:
+                        T.clear(acc_dq)
+                        T.clear(acc_dq_tail)
+                    num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
 
-            for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
-                for j in T.Parallel(BK):
-                    valid[j] = Indices[b_i, s_i, k_i * BK + j] >= 0
-                # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
-                for j, d in T.Parallel(BK, D):
-                    KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
-                for j, d in T.Parallel(BK, D_tail):
-                    KV_tail_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0),
-                                              D + d]
-                if exact:
-                    for j in T.Parallel(BK):
-                        inv_grid[j] = InvGrid[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
-                for h, j in T.Parallel(M, BK):
-                    acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
-                T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullCol)
-                for h, j in T.Parallel(M, BK):
-                    acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
-                T.copy(acc_p, P_shared)
+                    for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
+                        for j in T.Parallel(BK):
+                            valid[j] = Indices[b_i, s_i, k_i * BK + j] >= 0
+                        # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
+                        for j, d in T.Parallel(BK, D):
+                            KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
+                        for j, d in T.Parallel(BK, D_tail):
+                            KV_tail_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0),
+                                                      D + d]
+                        if exact:
+                            for j in T.Parallel(BK):
+                                inv_grid[j] = InvGrid[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
+                        for h, j in T.Parallel(M, BK):
+                            acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
+                        T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
+                               policy=T.GemmWarpPolicy.FullCol)
+                        T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
+                               policy=T.GemmWarpPolicy.FullCol)
+                        for h, j in T.Parallel(M, BK):
+                            acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
+                        T.copy(acc_p, P_shared)
 
-                T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                for h, j in T.Parallel(M, BK):
-                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
-                T.copy(acc_dp, dS_shared)
-                if with_dq:
-                    # dQ before dKV: its GEMMs are KV_shared's last readers, so the pipeline
-                    # issues the next block's gather here and it lands under the dKV chunks
-                    # (with dQ last it was waited for at the top of the next block; run 28)
-                    T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(dS_shared, KV_tail_shared, acc_dq_tail, policy=T.GemmWarpPolicy.FullCol)
+                        T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
+                               policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                        for h, j in T.Parallel(M, BK):
+                            acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h]) * sc[1]
+                        T.copy(acc_dp, dS_shared)
+                        if with_dq:
+                            # dQ before dKV: its GEMMs are KV_shared's last readers, so the pipeline
+                            # issues the next block's gather here and it lands under the dKV chunks
+                            # (with dQ last it was waited for at the top of the next block; run 28)
+                            T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                            T.gemm(dS_shared, KV_tail_shared, acc_dq_tail, policy=T.GemmWarpPolicy.FullCol)
 
-                # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
-                # registers under the cap (the whole-row version spilled in the exact mode)
-                if exact:
-                    T.fill(u_cols, 0)
-                for c in T.serial(D // CW):
-                    if dkv_transposed:
-                        # issued without a wait: the next GEMM's wait covers both
-                        T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
-                                     transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-                        T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
-                               transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                               clear_accum=True)
-                        T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                               transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                    stage_rows(dkv_stage, acc_dkv, CW)
-                    for j, d4 in T.Parallel(BK, CW // 4):
-                        scatter4(u_cols, r4, dkv_stage, inv_grid, dKV_acc, b_i,
-                                 Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
+                        # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
+                        # registers under the cap (the whole-row version spilled in the exact mode)
+                        if exact:
+                            T.fill(u_cols, 0)
+                        for c in T.serial(D // CW):
+                            if dkv_transposed:
+                                # issued without a wait: the next GEMM's wait covers both
+                                T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
+                                             transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                                             clear_accum=True)
+                                T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
+                                       transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                            else:
+                                T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                                       transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                                       clear_accum=True)
+                                T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                                       transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                            stage_rows(dkv_stage, acc_dkv, CW)
+                            for j, d4 in T.Parallel(BK, CW // 4):
+                                scatter4(u_cols, r4, dkv_stage, inv_grid, dKV_acc, b_i,
+                                         Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
 
-                if dkv_transposed:
-                    # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
-                    # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
-                    T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                else:
-                    T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                stage_rows(dkv_tail_stage, acc_dkv_tail, D_tail)
-                # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
-                # one layout; the tail's 16 column groups use the first 16 of them
-                for j, d4 in T.Parallel(BK, CW // 4):
-                    if d4 < D_tail // 4:
-                        scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
-                                 Indices[b_i, s_i, k_i * BK + j], D, j, d4)
-                if exact:
-                    add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i,
-                                   k_i)
+                        if dkv_transposed:
+                            # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
+                            # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
+                            T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
+                                   policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                        else:
+                            T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                                   policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                        stage_rows(dkv_tail_stage, acc_dkv_tail, D_tail)
+                        # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
+                        # one layout; the tail's 16 column groups use the first 16 of them
+                        for j, d4 in T.Parallel(BK, CW // 4):
+                            if d4 < D_tail // 4:
+                                scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
+                                         Indices[b_i, s_i, k_i * BK + j], D, j, d4)
+                        if exact:
+                            add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i,
+                                           k_i)
 
-            if with_dq:
-                T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
-                T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
+                    if with_dq:
+                        T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
+                        T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
 
     return sparse_bwd_main
 
@@ -641,7 +586,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     unfused kernel's at fp32 rounding only.  ptxas (CUDA 13.0): 12-20 bytes of spill, as
     unfused; with ``rows_s`` in the dynamic pool it spilled ~180 bytes in warpgroup 0's key loop.
     Run 49: atomic ``ref`` 7.956 -> 7.865 ms against the separate preprocess; the deterministic
-    backward keeps the separate one (fused, its ``grid_rows`` must read dO: no gain).
+    backward does not fuse it (fused, its ``grid_rows`` had to read dO: no gain): its
+    ``grid_rows`` is the preprocess instead, which reads q, O and dO once for both jobs.
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
