@@ -408,9 +408,9 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     acc = ops.zeros((b, s_kv, d_k), "float32", q)
     bound = ops.zeros((b, s_kv), "int64", q)
     bound_exp = ops.full((b, s_kv), -(2**30), "int32", q)  # atomic max: starts far below
-    counts = ops.full((b, s), l, "int32", q)
+    # the first pass (with dq) walks every slot and reads no counts
     provider.bwd_main(plan.heads_per_cta, "exact", True, q, kv, do, idx, lse2, delta, scale,
-                      inv_grid, counts, dq, acc, bound, bound_exp)
+                      inv_grid, ops.empty((b, s), "int32", q), dq, acc, bound, bound_exp)
 
     # per key: re-run or not (over), the re-run grid (inv_grid *= 2^t), its accumulator cleared;
     # per batch: any key re-run (any_over: the plan only ever raises it, so it starts at 0)
