@@ -140,15 +140,12 @@ def test_kernel_lowers_for_sm90a(name, args):
         if not args[4]:
             # the re-run reads a row's slots only in its ceil(Counts / BK) key blocks, none at
             # Counts = 0: rerun_slots leaves the rows of batches without a re-run key unwritten
-            # (num_blocks a variable of its own, or inlined where the rows are walked in a loop)
             bk = args[5]
-            nb = rf"\(\(Counts\[[^;{{]*?\] \+ {bk - 1}\) >> {bk.bit_length() - 1}\)"
-            assert re.search(rf"int num_blocks = {nb};", src) or re.search(
-                rf"for \(int k = 0; k < \({nb} - 1\); \+\+k\) {{", src)
-            openers = (r"if \((0 < num_blocks|1 <= num_blocks|0 < Counts\[[^{]*\]|"
-                       r"1 <= Counts\[[^{]*\])\) \{",
-                       rf"for \(int k = 0; k < \((num_blocks|{nb}) - 1\); \+\+k\) {{")
-            spans = [sp for opener in openers for sp in _blocks(src, re.compile(opener))]
+            assert re.search(rf"int num_blocks = \(\(Counts\[[^;]*\] \+ {bk - 1}\) >> "
+                             rf"{bk.bit_length() - 1}\);", src)
+            spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
+                                       "for (int k = 0; k < (num_blocks - 1); ++k) {")
+                     for sp in _blocks(src, opener)]
             assert _all_inside(src, "Indices[", spans)
 
 
@@ -179,11 +176,9 @@ def _all_inside(src, access, spans):
 
 
 def _blocks(src, opener):
-    """``(start, end)`` of every ``opener`` (an ``if (...) {``, or a compiled pattern ending in
-    ``{``) in ``src`` to its closing brace."""
+    """``(start, end)`` of every ``opener`` (an ``if (...) {``) in ``src`` to its closing brace."""
     spans = []
-    pattern = opener if isinstance(opener, re.Pattern) else re.escape(opener)
-    for m in re.finditer(pattern, src):
+    for m in re.finditer(re.escape(opener), src):
         depth, i = 1, m.end()
         while depth:
             depth += {"{": 1, "}": -1}.get(src[i], 0)
