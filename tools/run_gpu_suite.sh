@@ -59,9 +59,9 @@ fi
 
 step pytest
 # --durations: the slowest tests go into the logs.  The CPU tests run beside the GPU tests in
-# two more processes: the lowering tests of the backward's preprocess (its lowerings took 74
-# and 64 s of run 54's 322 s of CPU tests) apart from the other lowering tests
-PRE_TESTS="bwd_pre or preprocess"
+# two more processes: the lowering and cubin tests of the atomic backward's preprocess (58 and
+# 60 s of run 64's CPU tests) apart from the other lowering tests
+PRE_TESTS="bwd_pre or preprocess or (cubin and pre)"
 python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_kernel_compile.py \
   -k "not ($PRE_TESTS)" > "$LOG/pytest-cpu.log" 2>&1 &
 CPU_TESTS=$!
