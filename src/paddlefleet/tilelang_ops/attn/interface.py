@@ -103,8 +103,8 @@ class TileLangKernels:
     batches (the re-run reads no slot of a row with ``counts = 0``).  The deterministic
     backward launches no ``bwd_preprocess``: ``exact_grid_rows(natural, q, out, grad_out, lse,
     sink, indices, kv_norm, delta, lse2, d_sink_rows, c_row, kv_coef)`` writes the
-    preprocess's three outputs too, in the same pass as the rows' grid weights.  ``bwd_main`` takes an
-    optional last argument ``pre``, a :class:`FusedPreprocess`, for the head tiles in the
+    preprocess's three outputs too, in the same pass as the rows' grid weights.  ``bwd_main``
+    takes an optional last argument ``pre``, a :class:`FusedPreprocess`, for the head tiles in the
     provider's ``fused_preprocess_tiles`` (here the 64-head tile, whose two-warpgroup kernel
     has the preprocess as a prologue): the atomic backward then launches no
     ``bwd_preprocess`` (:data:`FUSED_PREPROCESS`).  A provider without that attribute, or whose
@@ -529,8 +529,8 @@ def mqa_latent_sparse_bwd(
             processes: each key's dKV is summed exactly on a power-of-two grid of its own
             (:func:`_exact_dkv`; the precision is stated in ``docs/conventions.md``), with the
             atomic path's scatter and ``B*S_kv*(Dk*4 + 28) + B*S*(4*L + 16) + 4*B`` bytes of
-            scratch (``L`` padded; ``4*B``: the re-run's per-batch flag).  ``False``: plain fp32 atomics for dKV (last-bit
-            differences between calls).
+            scratch (``L`` padded; ``4*B``: the re-run's per-batch flag).  ``False``: plain
+            fp32 atomics for dKV (last-bit differences between calls).
         lse_format: ``"natural"`` or ``"log2_sink"``.
         check_indices, provider: as in :func:`mqa_latent_sparse_fwd`.
 
