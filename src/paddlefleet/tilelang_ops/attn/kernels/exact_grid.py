@@ -84,15 +84,13 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
 
     Why one kernel: the preprocess and the grid weights each streamed their inputs (``O`` and
     ``dO``, then ``q``) in a launch of their own, with ``|dO|^2`` handed between them in fp64;
-    here each (row, head) is read once, 3.4 KB per head.  Warp ``w`` takes heads ``w, w + NW,
     here each (row, head) is read once, 3.4 KB per head (run 63: 0.42 ms at ``fleet`` against
     0.53 for the two launches, 0.23 against 0.29 at ``ref``).  Warp ``w`` of ``NW`` takes heads
     ``w, w + NW, ...`` (128 threads: 91 registers a thread leave room for 5 CTAs, 20 warps, per
     SM; 256 threads took 0.50 ms at ``fleet``); for a head each lane first issues all its
     16-byte loads (``O``, ``dO`` and ``q``: independent, ~3.5 KB in flight per warp), then
-    multiplies (``O dO`` in fp32) and squares
-    (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or underflow at any
-    bf16 magnitude); butterflies give the head's three sums to every lane and lane 0 writes the
+    multiplies (``O dO`` in fp32) and squares (``dO`` and ``q``, each bf16 value widened to fp64:
+    exact, no overflow or underflow at any bf16 magnitude); butterflies give the head's three sums to every lane and lane 0 writes the
     head's values.  The warps' weights and slot counts meet in shared memory and thread 0 adds
     them in warp order.  Every order is fixed: repeatable bit for bit."""
     assert d_qk % VEC == 0 and d_v % VEC == 0 and threads % WARP == 0
@@ -106,6 +104,12 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
     H = T.dynamic("H")
     H_pad = T.dynamic("H_pad")
     L = T.dynamic("L")
+
+    @T.macro
+    def load_vec(X, vec, i, b_i, s_i, h, lane):
+        # the lane's i-th 16-byte vector of head row X[b, s, h, :] into vec[i VEC:(i + 1) VEC]
+        for e in T.vectorized(VEC):
+            vec[i * VEC + e] = X[b_i, s_i, h, (i * WARP + lane) * VEC + e]
 
     @T.prim_func
     def exact_grid_rows(
@@ -147,14 +151,11 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
                 if h < H:  # the same for the whole warp: its shuffles stay whole
                     for i in T.unroll(OR):
                         if i * WARP + lane < OV:
-                            for e in T.vectorized(VEC):
-                                ov[i * VEC + e] = O[b_i, s_i, h, (i * WARP + lane) * VEC + e]
-                            for e in T.vectorized(VEC):
-                                dv[i * VEC + e] = dO[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+                            load_vec(O, ov, i, b_i, s_i, h, lane)
+                            load_vec(dO, dv, i, b_i, s_i, h, lane)
                     for i in T.unroll(QR):
                         if i * WARP + lane < QV:
-                            for e in T.vectorized(VEC):
-                                qv[i * VEC + e] = Q[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+                            load_vec(Q, qv, i, b_i, s_i, h, lane)
                     dl[0] = 0
                     d2[0] = 0
                     q2[0] = 0
