@@ -119,12 +119,18 @@ if cuda_available():
             self._run(lambda v: super(GuardedKernels, self).fwd(m, q, kv, idx, sink, scale, *v),
                       [("out", out, True), ("lse", lse, True)])
 
-        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
-            outs = [("delta", delta, True), ("lse2", lse2, True),
+        @staticmethod
+        def _preprocess_outputs(delta, lse2, d_sink_rows):
+            # the preprocess's three outputs (bwd_preprocess, the fused prologue, grid_rows),
+            # poisoned first, in the kernels' argument order
+            return [("delta", delta, True), ("lse2", lse2, True),
                     ("d_sink_rows", d_sink_rows, True)]
+
+        def bwd_preprocess(self, natural, out, do, lse, sink, delta, lse2, d_sink_rows):
             self._run(lambda v: super(GuardedKernels, self).bwd_preprocess(natural, out, do, lse,
                                                                            sink, *v),
-                      outs, whole=not bool(torch.isnan(lse).any()))  # NaN lse: NaN (= poison)
+                      self._preprocess_outputs(delta, lse2, d_sink_rows),
+                      whole=not bool(torch.isnan(lse).any()))  # NaN lse: NaN (= poison)
 
         def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
                      counts, dq, acc, bound, bound_exp, pre=None):
@@ -137,8 +143,8 @@ if cuda_available():
                      ("bound_exp", bound_exp, False)]
             if not with_dq:
                 outs.append(("dq_untouched", dq, False))
-            pre_outs = [] if pre is None else [("lse2", lse2, True), ("delta", delta, True),
-                                               ("d_sink_rows", pre.d_sink_rows, True)]
+            pre_outs = ([] if pre is None
+                        else self._preprocess_outputs(delta, lse2, pre.d_sink_rows))
 
             def launch(v):
                 d = dict(zip([n for n, _, _ in outs + pre_outs], v))
@@ -162,11 +168,10 @@ if cuda_available():
                             d_sink_rows, c_row, kv_coef):
             # the deterministic backward's preprocess: its three outputs as bwd_preprocess's
             # (written whole unless the lse has a NaN: NaN = the poison); c_row always whole
-            outs = [("delta", delta, True), ("lse2", lse2, True),
-                    ("d_sink_rows", d_sink_rows, True)]
             self._run(lambda v: super(GuardedKernels, self).exact_grid_rows(
                 natural, q, out, do, lse, sink, idx, kv_norm, *v, kv_coef),
-                outs + [("c_row", c_row, True)], whole=not bool(torch.isnan(lse).any()))
+                self._preprocess_outputs(delta, lse2, d_sink_rows) + [("c_row", c_row, True)],
+                whole=not bool(torch.isnan(lse).any()))
             assert _unwritten(c_row) == 0, "c_row: not written whole"
 
         def exact_grid_scatter(self, c_row, top, idx, est):
