@@ -408,11 +408,19 @@ def test_packed_documents_against_reference(case):
     assert dq.shape == q.shape and dkv.shape == kv.shape
 
 
-def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
+RERUN_CASES = [
+    dict(id="H100_B2_S48", B=2, S=48, S_kv=300, H=100, L=200, sink=True),  # two head groups
+    # more rows than the re-run's CTAs (sparse_bwd.RERUN_CTAS): each CTA walks 2-3 rows
+    dict(id="H64_S300", B=1, S=300, S_kv=400, H=64, L=96, sink=True),
+]
+
+
+@pytest.mark.parametrize("case", RERUN_CASES, ids=[c["id"] for c in RERUN_CASES])
+def test_exact_rerun_is_repeatable_and_accurate(monkeypatch, case):
     """Force the exact mode's re-run (first-pass grids 2^20 too fine, so every u is clamped and
     the re-run grid comes from BoundExp; 2^6 too fine, the usual case; 2^10 too coarse, re-run on
-    a finer grid): the result must stay bitwise repeatable and as accurate as without."""
-    case = dict(B=2, S=48, S_kv=300, H=100, L=200, sink=True)  # two head groups, L padded
+    a finer grid): the result must stay bitwise repeatable and as accurate as without, also
+    where a re-run CTA walks several rows."""
     q, kv, do, sink, idx = _inputs(case, 21)
     prov = GuardedKernels()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
@@ -427,7 +435,7 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch):
             assert torch.equal(a, b), f"{name}: re-run path not bitwise repeatable"
         assert torch.equal(runs[0][0], base[0]), "dq must not depend on the dKV grid"
         e = rel_l2(runs[0][1].float(), ref_dkv)
-        print(f"\n[rerun margin {margin}] dkv={e:.2e}")
+        print(f"\n[rerun {case['id']} margin {margin}] dkv={e:.2e}")
         assert e < TOL
 
 

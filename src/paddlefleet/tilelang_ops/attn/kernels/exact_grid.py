@@ -23,10 +23,10 @@ launch order:
                   ``InvGrid``, whether the key re-runs (``Over``) and on which grid (``InvGrid``
                   scaled by ``2^t``), and its dKV accumulator row cleared if so; ``AnyOver[b]``
                   set when any key of batch ``b`` re-runs.
-``rerun_slots``   one CTA per query row: the slots whose key re-runs moved to the front of the
-                  row in their order (``Idx2``), ``-1`` after them, and how many (``Counts``);
-                  a row of a batch with no re-run key (``AnyOver[b] = 0``, almost every call)
-                  only writes ``Counts = 0``.
+``rerun_slots``   one CTA per 8 query rows: the slots whose key re-runs moved to the front of
+                  each row in their order (``Idx2``), ``-1`` after them, and how many
+                  (``Counts``); a row of a batch with no re-run key (``AnyOver[b] = 0``, almost
+                  every call) only gets ``Counts = 0``.
 
 The formulas are those of the framework code they replace (``_exact_dkv``'s docstring, the
 proof in ``docs/conventions.md``); ``tests/helpers.py::CpuStandIn`` has each one in numpy and
@@ -351,12 +351,13 @@ def rerun_plan(d_qk: int, block_keys: int = 64, threads: int = 256):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def rerun_slots(threads: int = 256, rounds: int = 8):
+def rerun_slots(threads: int = 256, rounds: int = 8, rows: int = 8):
     """``Idx2 [B, S, L]``: each row's slots whose key re-runs (``Over[b, Indices] != 0``) first,
-    in their order, ``-1`` after them; ``Counts [B, S]`` how many.  One CTA per row, in passes
-    of ``rounds * threads`` slots: every thread loads its ``rounds`` slots and their keys'
-    flags first (independent loads), then per round a warp ballot gives each flagged slot its
-    place among its warp's, shared memory the warps' counts.  In a flagged batch every slot of
+    in their order, ``-1`` after them; ``Counts [B, S]`` how many.  One CTA per ``rows`` rows
+    (one wave of CTAs at S = 8192 where one per row took ~8), row after row, each in passes of
+    ``rounds * threads`` slots: every thread loads its ``rounds`` slots and their keys' flags
+    first (independent loads), then per round a warp ballot gives each flagged slot its place
+    among its warp's, shared memory the warps' counts.  In a flagged batch every slot of
     ``Idx2`` is written exactly once (the other batches: below).
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
@@ -367,9 +368,9 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
     ``Idx2`` only in its first ``ceil(Counts / BK)`` key blocks, none at ``Counts = 0``, and a
     row with ``Counts > 0`` belongs to a flagged batch, whose rows are written whole (the
     ``-1`` tail covers the last block's slots past ``Counts``).  The flag is per batch and a
-    CTA owns one row of one batch: the whole CTA takes the same branch (its barriers stay
+    CTA owns rows of one batch: the whole CTA takes the same branch (its barriers stay
     whole)."""
-    assert threads % WARP == 0
+    assert threads % WARP == 0 and rows <= threads
     NW = threads // WARP
     R = rounds
     PASS = R * threads
@@ -386,7 +387,7 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
         Idx2: T.Tensor([B, S, L], "int32"),
         Counts: T.Tensor([B, S], "int32"),
     ):
-        with T.Kernel(S, B, threads=threads) as (s_i, b_i):
+        with T.Kernel(T.ceildiv(S, rows), B, threads=threads) as (r_blk, b_i):
             counts_s = T.alloc_shared([R, NW], "int32")
             slot = T.alloc_local([R], "int32")
             flag = T.alloc_local([R], "int32")
@@ -398,40 +399,47 @@ def rerun_slots(threads: int = 256, rounds: int = 8):
             lane = tx % WARP
             warp = tx // WARP
 
-            base[0] = 0
             any_over[0] = AnyOver[b_i]  # loaded once: the body below may be split in two ifs
             if any_over[0] != 0:  # the same for the whole CTA: one batch
-                for ps in T.serial(T.ceildiv(L, PASS)):
-                    for r in T.unroll(R):
-                        slot[r] = -1
-                        if ps * PASS + r * threads + tx < L:
-                            slot[r] = Indices[b_i, s_i, ps * PASS + r * threads + tx]
-                    for r in T.unroll(R):
-                        flag[r] = 0
-                        if slot[r] >= 0 and slot[r] < S_kv:
-                            flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
-                    for r in T.unroll(R):
-                        mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
-                        if lane == 0:
-                            counts_s[r, warp] = T.Cast("int32", T.popcount(mask[r]))
-                    T.sync_threads()
-                    for r in T.unroll(R):
-                        # flagged slots before this one: earlier rounds, earlier warps, lower lanes
-                        pos[0] = base[0]
-                        for k in T.unroll(NW):
-                            if k < warp:
-                                pos[0] = pos[0] + counts_s[r, k]
-                        if flag[r] != 0:
-                            pos[0] = pos[0] + T.Cast("int32", T.popcount(
-                                mask[r] & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
-                            Idx2[b_i, s_i, pos[0]] = slot[r]
-                        for k in T.unroll(NW):
-                            base[0] = base[0] + counts_s[r, k]
-                    T.sync_threads()  # counts_s is rewritten by the next pass
-                for i in T.serial(T.ceildiv(L, threads)):
-                    if i * threads + tx >= base[0] and i * threads + tx < L:
-                        Idx2[b_i, s_i, i * threads + tx] = -1
-            if tx == 0:
-                Counts[b_i, s_i] = base[0]
+                for rr in T.serial(rows):
+                    s_i = r_blk * rows + rr
+                    if s_i < S:  # the same for the whole CTA
+                        base[0] = 0
+                        for ps in T.serial(T.ceildiv(L, PASS)):
+                            for r in T.unroll(R):
+                                slot[r] = -1
+                                if ps * PASS + r * threads + tx < L:
+                                    slot[r] = Indices[b_i, s_i, ps * PASS + r * threads + tx]
+                            for r in T.unroll(R):
+                                flag[r] = 0
+                                if slot[r] >= 0 and slot[r] < S_kv:
+                                    flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
+                            for r in T.unroll(R):
+                                mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
+                                if lane == 0:
+                                    counts_s[r, warp] = T.Cast("int32", T.popcount(mask[r]))
+                            T.sync_threads()
+                            for r in T.unroll(R):
+                                # flagged slots before this one: earlier rounds, earlier
+                                # warps, lower lanes
+                                pos[0] = base[0]
+                                for k in T.unroll(NW):
+                                    if k < warp:
+                                        pos[0] = pos[0] + counts_s[r, k]
+                                if flag[r] != 0:
+                                    below = (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)
+                                    pos[0] = pos[0] + T.Cast("int32", T.popcount(mask[r] & below))
+                                    Idx2[b_i, s_i, pos[0]] = slot[r]
+                                for k in T.unroll(NW):
+                                    base[0] = base[0] + counts_s[r, k]
+                            T.sync_threads()  # counts_s is rewritten by the next pass
+                        for i in T.serial(T.ceildiv(L, threads)):
+                            if i * threads + tx >= base[0] and i * threads + tx < L:
+                                Idx2[b_i, s_i, i * threads + tx] = -1
+                        if tx == 0:
+                            Counts[b_i, s_i] = base[0]
+            else:
+                if tx < rows and r_blk * rows + tx < S:
+                    Counts[b_i, r_blk * rows + tx] = 0
 
     return exact_rerun_slots
