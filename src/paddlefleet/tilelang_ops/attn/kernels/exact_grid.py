@@ -207,11 +207,21 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def grid_scatter(threads: int = 256):
+def grid_scatter(threads: int = 256, rows: int = 16, keys: int = 8192, rounds: int = 8):
     """``Est [B, S_kv] int64 += ceil(ldexp(CRow[b, s], frac_bits))`` for every slot of row
     ``(b, s)`` with a key (``Indices`` in ``[0, S_kv)``), ``frac_bits = 40 - ceil(log2 Top[0])``
-    (``Top[0] > 0``, else 1).  One CTA per row; int64 atomics: exact, so the order does not
-    matter.  ``Est`` must be zeroed by the caller."""
+    (``Top[0] > 0``, else 1).  Integer sums: exact, so the order does not matter.  ``Est``
+    must be zeroed by the caller.
+
+    One CTA per ``rows`` rows, whose slots are one contiguous run of ``Indices``: it adds each
+    slot's row weight into a histogram of ``keys`` keys in shared memory (int64 atomics there),
+    then adds the histogram's nonzero entries into ``Est`` with coalesced int64 atomics; for
+    ``S_kv > keys`` it does so once per range of ``keys`` keys, reading its slots again.  One
+    global atomic per slot to a random key (one CTA per row) took 0.15 ms at ``fleet`` (5.2 M
+    slots) and 0.17 at ``ref`` (run 65): the scattered 8-byte atomics, not the reads.  Each
+    pass loads ``rounds`` slots per thread before it adds any (independent loads)."""
+    PASS = rounds * threads
+    assert keys % threads == 0 and rows <= threads
     B = T.dynamic("B")
     S = T.dynamic("S")
     L = T.dynamic("L")
@@ -224,19 +234,48 @@ def grid_scatter(threads: int = 256):
         Indices: T.Tensor([B, S, L], "int32"),
         Est: T.Tensor([B, S_kv], "int64"),
     ):
-        with T.Kernel(S, B, threads=threads) as (s_i, b_i):
+        with T.Kernel(T.ceildiv(S, rows), B, threads=threads) as (r_blk, b_i):
+            hist = T.alloc_shared([keys], "int64")
+            c_s = T.alloc_shared([rows], "int64")  # the rows' weights in fixed point
             frac = T.alloc_local([1], "float64")
-            c_fx = T.alloc_local([1], "int64")
-            j = T.alloc_local([1], "int32")
+            slot = T.alloc_local([rounds], "int32")
+            row = T.alloc_local([1], "int32")
+            w = T.alloc_local([rounds], "int64")
             tx = T.get_thread_binding()
+            s0 = r_blk * rows
+            n = T.min(rows, S - s0) * L  # this CTA's slots: Indices[b, s0:, :] flattened
             _frac_bits(Top[0], frac)
-            c_fx[0] = T.Cast("int64", T.ceil(T.ldexp(CRow[b_i, s_i], T.Cast("int32", frac[0]))))
-            if c_fx[0] != 0:  # adding 0 changes nothing
-                for i in T.serial(T.ceildiv(L, threads)):
-                    if i * threads + tx < L:
-                        j[0] = Indices[b_i, s_i, i * threads + tx]
-                        if j[0] >= 0 and j[0] < S_kv:
-                            T.atomic_add(Est[b_i, j[0]], c_fx[0])
+            if tx < rows:
+                c_s[tx] = 0
+                if s0 + tx < S:
+                    c_s[tx] = T.Cast("int64", T.ceil(T.ldexp(CRow[b_i, s0 + tx],
+                                                             T.Cast("int32", frac[0]))))
+            for k0 in T.serial(T.ceildiv(S_kv, keys)):
+                for i in T.serial(keys // threads):
+                    hist[i * threads + tx] = 0
+                T.sync_threads()
+                for ps in T.serial(T.ceildiv(n, PASS)):
+                    for r in T.unroll(rounds):
+                        slot[r] = -1
+                        w[r] = 0
+                        if ps * PASS + r * threads + tx < n:
+                            row[0] = T.truncdiv(ps * PASS + r * threads + tx, L)  # >= 0
+                            slot[r] = Indices[b_i, s0 + row[0],
+                                              ps * PASS + r * threads + tx - row[0] * L]
+                            w[r] = c_s[row[0]]
+                    for r in T.unroll(rounds):
+                        # a key of this range (-1 and out-of-range values never are); adding 0
+                        # changes nothing
+                        if (slot[r] >= k0 * keys and slot[r] < (k0 + 1) * keys
+                                and slot[r] < S_kv and w[r] != 0):
+                            T.atomic_add(hist[slot[r] - k0 * keys], w[r])
+                T.sync_threads()
+                for i in T.serial(keys // threads):
+                    if k0 * keys + i * threads + tx < S_kv:
+                        if hist[i * threads + tx] != 0:
+                            T.atomic_add(Est[b_i, k0 * keys + i * threads + tx],
+                                         hist[i * threads + tx])
+                T.sync_threads()  # the histogram is cleared for the next range
 
     return exact_grid_scatter
 
