@@ -140,9 +140,15 @@ def test_kernel_lowers_for_sm90a(name, args):
         if not args[4]:
             # the re-run reads a row's slots only in its ceil(Counts / BK) key blocks, none at
             # Counts = 0: rerun_slots leaves the rows of batches without a re-run key unwritten
+            # (Counts through a bounds-checked temporary: the row is bx + r * RERUN_CTAS).  On
+            # its fixed grid a CTA first ORs its rows' Counts > 0 with one barrier and walks its
+            # rows only if one is set
             bk = args[5]
-            assert re.search(rf"int num_blocks = \(\(Counts\[[^;]*\] \+ {bk - 1}\) >> "
-                             rf"{bk.bit_length() - 1}\);", src)
+            m = re.search(rf"int num_blocks = \(\((condval_\d+) \+ {bk - 1}\) >> "
+                          rf"{bk.bit_length() - 1}\);", src)
+            assert m and re.search(rf"{m.group(1)} = Counts\[", src)
+            assert src.count("__syncthreads_or(") == 1
+            assert re.search(r"for \(int r = 0; r < condval; \+\+r\) \{", src)
             spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
                                        "for (int k = 0; k < (num_blocks - 1); ++k) {")
                      for sp in _blocks(src, opener)]
@@ -195,13 +201,14 @@ def _signature(src, name):
 @pytest.mark.parametrize("name, args", GRID_SPECS, ids=[n for n, _ in GRID_SPECS])
 def test_exact_grid_kernel_lowers_for_sm90a(name, args):
     """The exact dKV's bookkeeping kernels lower for sm_90a with at most a few words of shared
-    memory, with what each is for, the margins and bit counts as runtime scalar arguments (the
+    memory (``grid_scatter``: its histogram of 8192 int64 keys too), with what each is for, the margins and bit counts as runtime scalar arguments (the
     tests vary them), and no read or write through a data-dependent index without its check:
     a slot's key is used only in ``[0, S_kv)`` (never ``-1``), a row's slots only below ``L``,
     a key only below ``S_kv``."""
     art = _lower(name, args)
     src = art.kernel_source
-    assert "__global__" in src and _smem(art) <= 256, _smem(art)
+    assert "__global__" in src
+    assert _smem(art) <= 256 + (8192 * 8 if name == "grid_scatter" else 0), _smem(art)
     sig = _signature(src, "exact_" + name)
     for idx_read in ("Indices[",):
         if idx_read in src:
@@ -220,7 +227,12 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         assert "DO2" not in src
         assert "double kv_coef" in sig and "sqrt(" in src
     elif name == "grid_scatter":
-        assert _guarded(src, "AtomicAdd((&(Est[", ["(0 <= j[0]) && (j[0] < S_kv)"]) == 1
+        # each slot adds its row's weight into the shared histogram only for a key of the
+        # CTA's range below S_kv (-1 never is); the histogram goes into Est for keys < S_kv
+        assert _guarded(src, "AtomicAdd((&(((int64_t*)hist)[",
+                        ["(k0 * 8192) <= slot[", "< ((k0 * 8192) + 8192))", "< S_kv)"],
+                        before=200) == 1
+        assert _guarded(src, "AtomicAdd((&(Est[", [") < S_kv)", "hist)["], before=250) == 1
         assert "ceil(ldexp(CRow[" in src and "ceil(log2(" in src
     elif name == "grid_keys":
         assert all(f"int {a}" in sig for a in ("shift", "e_lo", "e_hi"))
@@ -248,7 +260,9 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         assert spans
         for access in ("Indices[", "Over[", "Idx2["):
             assert _all_inside(src, access, spans), access
-        assert not any(a < src.index("Counts[") < b for a, b in spans)  # written by every row
+        # Counts written for every row: in the flagged branch (its count) and in the other (0)
+        assert sum(not any(a < at < b for a, b in spans) for at in _sites(src, "Counts[")) == 1
+        assert _all_inside(src, "Idx2[", spans) and len(_sites(src, "Counts[")) == 2
 
 
 @pytest.mark.parametrize("name, args", [MAIN64, RERUN64], ids=["main64_exact", "rerun64_exact"])

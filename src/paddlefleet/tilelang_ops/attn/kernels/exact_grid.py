@@ -13,10 +13,11 @@ launch order:
                   in one pass over ``out``, ``dO`` and ``q``.  The squares of the bf16 inputs
                   and every sum of them are fp64 (no overflow or underflow at any bf16
                   magnitude), added in a fixed order: repeatable bit for bit.
-``grid_scatter``  one CTA per query row: the row's weight in int64 fixed point,
+``grid_scatter``  one CTA per 16 query rows: each row's weight in int64 fixed point,
                   ``ceil(ldexp(CRow, frac_bits))`` with ``frac_bits = 40 - ceil(log2 top)``
-                  (``top`` the largest ``CRow``, a framework ``amax``), added with int64 atomics
-                  into ``Est[b, j]`` for each slot's key (integer sums: exact, order-free).
+                  (``top`` the largest ``CRow``, a framework ``amax``), added for each slot's
+                  key into a histogram in shared memory, then into ``Est[b, j]`` with int64
+                  atomics (integer sums: exact, order-free).
 ``grid_keys``     one thread per key: ``e = ceil(log2 Est) - frac_bits + shift`` clipped to
                   ``[e_lo, e_hi]``, ``InvGrid = 2^-e`` (fp32, exact).
 ``rerun_plan``    after the first pass, one thread per key: from ``Bound``, ``BoundExp`` and
