@@ -227,12 +227,13 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         assert "DO2" not in src
         assert "double kv_coef" in sig and "sqrt(" in src
     elif name == "grid_scatter":
-        # each slot adds its row's weight into the shared histogram only for a key of the
-        # CTA's range below S_kv (-1 never is); the histogram goes into Est for keys < S_kv
-        assert _guarded(src, "AtomicAdd((&(((int64_t*)hist)[",
-                        ["(k0 * 8192) <= slot[", "< ((k0 * 8192) + 8192))", "< S_kv)"],
+        # a slot adds its row's weight only for a key in [0, S_kv) (-1 never is): into the
+        # shared histogram (S_kv <= 8192) or straight into Est; the histogram into Est for keys
+        # below S_kv
+        assert _guarded(src, "AtomicAdd((&(((int64_t*)hist)[", ["(0 <= slot[", "< S_kv)"],
                         before=200) == 1
-        assert _guarded(src, "AtomicAdd((&(Est[", [") < S_kv)", "hist)["], before=250) == 1
+        assert _guarded(src, "AtomicAdd((&(Est[", ["< S_kv)"], before=250) == 2
+        assert src.count("if (S_kv <= 8192) {") == 3
         assert "ceil(ldexp(CRow[" in src and "ceil(log2(" in src
     elif name == "grid_keys":
         assert all(f"int {a}" in sig for a in ("shift", "e_lo", "e_hi"))

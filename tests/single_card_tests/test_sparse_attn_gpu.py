@@ -524,7 +524,7 @@ GRID_CASES = [
     dict(id="H5_B2_L100", B=2, S=37, S_kv=300, H=5, L=100, used=280),
     dict(id="H64_L2048", B=1, S=40, S_kv=2200, H=64, L=2048, used=2150),
     dict(id="H128_L650", B=1, S=24, S_kv=700, H=128, L=650, used=690),
-    # more keys than grid_scatter's shared histogram holds (8192): two key ranges
+    # more keys than grid_scatter's shared histogram holds (8192): straight into Est
     dict(id="H2_Skv9000_L300", B=1, S=30, S_kv=9000, H=2, L=300, used=8990),
 ]
 

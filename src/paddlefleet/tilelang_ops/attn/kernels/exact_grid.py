@@ -16,8 +16,8 @@ launch order:
 ``grid_scatter``  one CTA per 16 query rows: each row's weight in int64 fixed point,
                   ``ceil(ldexp(CRow, frac_bits))`` with ``frac_bits = 40 - ceil(log2 top)``
                   (``top`` the largest ``CRow``, a framework ``amax``), added for each slot's
-                  key into a histogram in shared memory, then into ``Est[b, j]`` with int64
-                  atomics (integer sums: exact, order-free).
+                  key into a histogram in shared memory (``S_kv <= 8192``; else straight), then
+                  into ``Est[b, j]`` with int64 atomics (integer sums: exact, order-free).
 ``grid_keys``     one thread per key: ``e = ceil(log2 Est) - frac_bits + shift`` clipped to
                   ``[e_lo, e_hi]``, ``InvGrid = 2^-e`` (fp32, exact).
 ``rerun_plan``    after the first pass, one thread per key: from ``Bound``, ``BoundExp`` and
@@ -214,13 +214,14 @@ def grid_scatter(threads: int = 256, rows: int = 16, keys: int = 8192, rounds: i
     (``Top[0] > 0``, else 1).  Integer sums: exact, so the order does not matter.  ``Est``
     must be zeroed by the caller.
 
-    One CTA per ``rows`` rows, whose slots are one contiguous run of ``Indices``: it adds each
-    slot's row weight into a histogram of ``keys`` keys in shared memory (int64 atomics there),
-    then adds the histogram's nonzero entries into ``Est`` with coalesced int64 atomics; for
-    ``S_kv > keys`` it does so once per range of ``keys`` keys, reading its slots again.  One
-    global atomic per slot to a random key (one CTA per row) took 0.15 ms at ``fleet`` (5.2 M
-    slots) and 0.17 at ``ref`` (run 65): the scattered 8-byte atomics, not the reads.  Each
-    pass loads ``rounds`` slots per thread before it adds any (independent loads)."""
+    One CTA per ``rows`` rows, whose slots are one contiguous run of ``Indices``; each pass
+    loads ``rounds`` slots per thread before it adds any (independent loads).  For ``S_kv <=
+    keys`` it adds each slot's row weight into a histogram of the keys in shared memory (int64
+    atomics there), then the histogram's nonzero entries into ``Est`` with coalesced int64
+    atomics: one global atomic per slot to a random key took 0.14 ms at ``fleet`` (5.2 M
+    slots) and 0.16 at ``ref``, the histogram 0.05 and 0.07 (run 66, ``rows`` 16).  For more
+    keys each slot adds into ``Est`` directly (three ranges of the histogram, each reading
+    the slots again, were slower than that at ``S_kv = 20000``: run 66)."""
     PASS = rounds * threads
     assert keys % threads == 0 and rows <= threads
     B = T.dynamic("B")
@@ -251,32 +252,32 @@ def grid_scatter(threads: int = 256, rows: int = 16, keys: int = 8192, rounds: i
                 if s0 + tx < S:
                     c_s[tx] = T.Cast("int64", T.ceil(T.ldexp(CRow[b_i, s0 + tx],
                                                              T.Cast("int32", frac[0]))))
-            for k0 in T.serial(T.ceildiv(S_kv, keys)):
+            if S_kv <= keys:  # the whole key range in the histogram (the same for every CTA)
                 for i in T.serial(keys // threads):
                     hist[i * threads + tx] = 0
-                T.sync_threads()
-                for ps in T.serial(T.ceildiv(n, PASS)):
-                    for r in T.unroll(rounds):
-                        slot[r] = -1
-                        w[r] = 0
-                        if ps * PASS + r * threads + tx < n:
-                            row[0] = T.truncdiv(ps * PASS + r * threads + tx, L)  # >= 0
-                            slot[r] = Indices[b_i, s0 + row[0],
-                                              ps * PASS + r * threads + tx - row[0] * L]
-                            w[r] = c_s[row[0]]
-                    for r in T.unroll(rounds):
-                        # a key of this range (-1 and out-of-range values never are); adding 0
-                        # changes nothing
-                        if (slot[r] >= k0 * keys and slot[r] < (k0 + 1) * keys
-                                and slot[r] < S_kv and w[r] != 0):
-                            T.atomic_add(hist[slot[r] - k0 * keys], w[r])
+            T.sync_threads()
+            for ps in T.serial(T.ceildiv(n, PASS)):
+                for r in T.unroll(rounds):
+                    slot[r] = -1
+                    w[r] = 0
+                    if ps * PASS + r * threads + tx < n:
+                        row[0] = T.truncdiv(ps * PASS + r * threads + tx, L)  # >= 0
+                        slot[r] = Indices[b_i, s0 + row[0],
+                                          ps * PASS + r * threads + tx - row[0] * L]
+                        w[r] = c_s[row[0]]
+                for r in T.unroll(rounds):
+                    # a key (-1 and out-of-range values never are); adding 0 changes nothing
+                    if slot[r] >= 0 and slot[r] < S_kv and w[r] != 0:
+                        if S_kv <= keys:
+                            T.atomic_add(hist[slot[r]], w[r])
+                        else:
+                            T.atomic_add(Est[b_i, slot[r]], w[r])
+            if S_kv <= keys:
                 T.sync_threads()
                 for i in T.serial(keys // threads):
-                    if k0 * keys + i * threads + tx < S_kv:
+                    if i * threads + tx < S_kv:
                         if hist[i * threads + tx] != 0:
-                            T.atomic_add(Est[b_i, k0 * keys + i * threads + tx],
-                                         hist[i * threads + tx])
-                T.sync_threads()  # the histogram is cleared for the next range
+                            T.atomic_add(Est[b_i, i * threads + tx], hist[i * threads + tx])
 
     return exact_grid_scatter
 
