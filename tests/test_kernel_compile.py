@@ -148,7 +148,7 @@ def test_kernel_lowers_for_sm90a(name, args):
                           rf"{bk.bit_length() - 1}\);", src)
             assert m and re.search(rf"{m.group(1)} = Counts\[", src)
             assert src.count("__syncthreads_or(") == 1
-            assert re.search(r"for \(int r = 0; r < condval; \+\+r\) \{", src)
+            assert re.search(r"for \(int r = 0; r < \w+; \+\+r\) \{", src)
             spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
                                        "for (int k = 0; k < (num_blocks - 1); ++k) {")
                      for sp in _blocks(src, opener)]
@@ -201,10 +201,10 @@ def _signature(src, name):
 @pytest.mark.parametrize("name, args", GRID_SPECS, ids=[n for n, _ in GRID_SPECS])
 def test_exact_grid_kernel_lowers_for_sm90a(name, args):
     """The exact dKV's bookkeeping kernels lower for sm_90a with at most a few words of shared
-    memory (``grid_scatter``: its histogram of 8192 int64 keys too), with what each is for, the margins and bit counts as runtime scalar arguments (the
-    tests vary them), and no read or write through a data-dependent index without its check:
-    a slot's key is used only in ``[0, S_kv)`` (never ``-1``), a row's slots only below ``L``,
-    a key only below ``S_kv``."""
+    memory (``grid_scatter``: its histogram of 8192 int64 keys too), with what each is for,
+    the margins and bit counts as runtime scalar arguments (the tests vary them), and no read
+    or write through a data-dependent index without its check: a slot's key is used only in
+    ``[0, S_kv)`` (never ``-1``), a row's slots only below ``L``, a key only below ``S_kv``."""
     art = _lower(name, args)
     src = art.kernel_source
     assert "__global__" in src
@@ -233,6 +233,10 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         assert _guarded(src, "AtomicAdd((&(((int64_t*)hist)[", ["(0 <= slot[", "< S_kv)"],
                         before=200) == 1
         assert _guarded(src, "AtomicAdd((&(Est[", ["< S_kv)"], before=250) == 2
+        # the direct path (S_kv > 8192): the slot's own lower bound too (never Est[b, -1])
+        direct = [at for at in _sites(src, "AtomicAdd((&(Est[")
+                  if "hist)[" not in src[at:at + 200]]
+        assert len(direct) == 1 and "(0 <= slot[" in src[direct[0] - 200:direct[0]]
         assert src.count("if (S_kv <= 8192) {") == 3
         assert "ceil(ldexp(CRow[" in src and "ceil(log2(" in src
     elif name == "grid_keys":

@@ -7,6 +7,8 @@ Run in this order by ``attn/interface.py``:
                  does this in ``main``'s prologue instead: :func:`_two_warpgroups`, ``fused``;
                  the deterministic backward in ``exact_grid.grid_rows``).
 ``main``         one CTA per (query row ``s``, batch ``b``, head group ``g``) walks the row's top-k
+                 (the exact re-run: :data:`RERUN_CTAS` CTAs per (``b``, ``g``), each walking
+                 rows ``x, x + RERUN_CTAS, ...``)
                  slots in key blocks of ``BK``; per block it gathers the latent rows through
                  clamped indices, recomputes ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2``
                  base-2, sink-inclusive, finite), then ``dP = dO V^T``, ``dS = P (dP - Delta)
@@ -47,8 +49,9 @@ __all__ = ["preprocess", "main", "finish"]
 
 LOG2E = 1.4426950408889634
 #: The exact mode's re-run (``main`` with ``with_dq=False``) runs on this many CTAs per (batch,
-#: head group), each owning every ``RERUN_CTAS``-th row: the SMs of an H100 / H200 (one CTA
-#: each: its shared memory).
+#: head group), each owning every ``RERUN_CTAS``-th row: one wave on the 132 SMs of an H100 SXM /
+#: H200 (one CTA each: its shared memory).  Any value is correct; another GPU's SM count only
+#: changes how the rare re-run's rows spread.
 RERUN_CTAS = 132
 
 #: The 64-head first pass's default schedule (docs/performance.md, runs 38-40): whether its dKV
@@ -272,8 +275,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     a row with ``Counts = 0`` does nothing), on a fixed grid of :data:`RERUN_CTAS` CTAs per
     (batch, head group): CTA ``x`` loads the ``Counts`` of its rows ``x, x + RERUN_CTAS, ...``
     together and, only if one is positive, walks them one after another (a call that re-runs no
-    key costs one wave of CTAs that each read a few counts).  It reads ``Indices`` in whole key blocks, the first
-    ``ceil(Counts / BK)`` of a row and none at ``Counts = 0``: ``exact_grid.rerun_slots`` writes
+    key costs one wave of CTAs that each read a few counts).  It reads ``Indices`` in whole key
+    blocks, the first ``ceil(Counts / BK)`` of a row and none at ``Counts = 0``:
+    ``exact_grid.rerun_slots`` writes
     ``-1`` past ``Counts`` in the rows it compacts and leaves the rows of batches without a
     re-run key (``Counts = 0``) unwritten.
 
