@@ -456,7 +456,9 @@ class CpuStandIn:
 
     def exact_rerun_slots(self, indices, over, any_over, indices2, counts):
         # a batch whose flag is 0: counts 0, its indices2 rows left as they are, and neither
-        # its indices nor its over flags read (as the kernel)
+        # its indices nor its over flags read (as the kernel); a flagged batch's rows written
+        # only up to the end of the INDEX_PAD-slot block that holds their last re-run slot
+        # (rerun_written)
         self.calls.append(("rerun_slots",))
         FLAG = to_numpy(any_over)
         IDX2 = to_numpy(indices2).copy()
@@ -469,8 +471,21 @@ class CpuStandIn:
             n[b] = rerun.sum(-1)
             IDX2[b] = np.where(np.arange(I.shape[-1]) < n[b][:, None],
                                np.take_along_axis(I, first, -1), -1)
+        IDX2 = np.where(rerun_written(n, IDX2.shape[-1]), IDX2, to_numpy(indices2))
         _write(indices2, IDX2.astype(np.int32))
         _write(counts, n)
+
+
+def rerun_written(counts, L: int) -> np.ndarray:
+    """``[B, S, L]`` bool: the slots of ``Idx2`` that ``rerun_slots`` writes for ``counts [B,
+    S]`` (numpy): those before the end of the ``tiling.INDEX_PAD``-slot block that holds a
+    row's last re-run slot (the re-run reads whole key blocks, each dividing it), capped at
+    ``L``; none in a row with ``counts = 0``."""
+    from paddlefleet.tilelang_ops.attn.tiling import INDEX_PAD
+
+    n = np.asarray(counts)
+    end = np.minimum(-(-n // INDEX_PAD) * INDEX_PAD, L)
+    return np.arange(L) < end[..., None]
 
 
 # --- shared inputs ------------------------------------------------------------------------------

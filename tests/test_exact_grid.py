@@ -21,6 +21,7 @@ from helpers import (
     distinct_indices,
     exact_first_pass_state,
     launch_grid_rows,
+    rerun_written,
     to_numpy,
     to_tensor,
 )
@@ -31,6 +32,16 @@ DK, DV = 576, 512
 SM = DK ** -0.5
 EXACT, COARSE = interface.EXACT_BITS, interface.RERUN_COARSE_BITS
 POISON = 12345  # in idx2 / counts before a launch: still there = not written
+
+
+def _assert_compaction(got_idx2, ref_idx2, counts):
+    """``got_idx2`` (numpy, poisoned before the launch) holds the former framework
+    compaction's ``ref_idx2`` where ``rerun_slots`` writes (``helpers.rerun_written``: up to
+    the end of the ``INDEX_PAD``-slot block of a row's last re-run slot) and the poison
+    elsewhere."""
+    w = rerun_written(counts, got_idx2.shape[-1])
+    assert np.array_equal(got_idx2[w], np.asarray(ref_idx2)[w])
+    assert (got_idx2[~w] == POISON).all()
 
 
 # --- the former framework code (interface.py before the exact_grid kernels) -------------------
@@ -236,12 +247,13 @@ def test_rerun_plan_is_the_framework_formula(fw, rng):
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
 def test_rerun_slots_are_the_framework_compaction(fw, rng, share):
-    """idx2 (the re-run keys' slots first, in order, -1 after) and counts: exactly the former
-    framework code's, for no key, some keys and every key re-run, with -1 slots anywhere in a
-    row and whole -1 rows (no key re-run: the flag is 0, counts 0 and idx2 left as it was, which
-    the framework code filled with -1)."""
+    """idx2 (the re-run keys' slots first, in order, -1 after them to the end of their
+    64-slot block, the rest unwritten) and counts: the former framework code's where written,
+    for no key, some keys and every key re-run (more than one block's worth in a row of 70
+    slots), with -1 slots anywhere in a row and whole -1 rows (no key re-run: the flag is 0,
+    counts 0 and idx2 left as it was, which the framework code filled with -1)."""
     B, S, S_kv, L = 2, 11, 90, 70
-    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=80, empty_rows=(4,), fill=0.7)
+    idx = distinct_indices(rng, B, S, S_kv, L, used_keys=80, empty_rows=(4,), fill=0.97)
     over = (rng.random((B, S_kv)) < share).astype(np.int32)
     idx_t, over_t = fw.t(idx), fw.t(over)
     ops = ops_for(idx_t)
@@ -254,16 +266,19 @@ def test_rerun_slots_are_the_framework_compaction(fw, rng, share):
     if share == 0.0:
         assert (to_numpy(idx2) == POISON).all() and (to_numpy(ref_idx2) == -1).all()
         return
-    assert np.array_equal(to_numpy(idx2), to_numpy(ref_idx2))
-    # and what that means: each row's re-run slots first, in their order, -1 after them
+    _assert_compaction(to_numpy(idx2), to_numpy(ref_idx2), to_numpy(counts))
+    # and what that means: each row's re-run slots first, in their order, -1 after them to
+    # the end of their 64-slot block (L = 70 caps the second), nothing written past it
     rerun = (idx >= 0) & (np.take_along_axis(over, np.where(idx >= 0, idx, 0).reshape(B, -1),
                                              1).reshape(idx.shape) > 0)
     got, n = to_numpy(idx2), to_numpy(counts)
     assert np.array_equal(n, rerun.sum(-1))
     for b in range(B):
         for s in range(S):
+            end = 0 if n[b, s] == 0 else (64 if n[b, s] <= 64 else L)
             assert list(got[b, s, :n[b, s]]) == list(idx[b, s][rerun[b, s]])
-            assert (got[b, s, n[b, s]:] == -1).all()
+            assert (got[b, s, n[b, s]:end] == -1).all() and (got[b, s, end:] == POISON).all()
+    assert (n > 64).any() == (share == 1.0) and (n == 0).any()
 
 
 def test_rerun_slots_never_read_an_index_outside_the_keys(fw):
@@ -309,10 +324,10 @@ def test_rerun_slots_match_the_framework_compaction_of_a_plan(fw, rng):
     t, idx_t, ops, ref_over, ref_idx2, ref_counts = _framework_reference(
         fw, (bound, bexp, inv, acc), idx, n_max)
     prov, over, any_over = _stand_in_plan(ops, t, idx_t, n_max)
-    idx2 = ops.empty((B, S, L), "int32", idx_t)
+    idx2 = ops.full((B, S, L), POISON, "int32", idx_t)
     counts = ops.empty((B, S), "int32", idx_t)
     prov.exact_rerun_slots(idx_t, over, any_over, idx2, counts)
-    assert np.array_equal(to_numpy(idx2), to_numpy(ref_idx2))
+    _assert_compaction(to_numpy(idx2), to_numpy(ref_idx2), to_numpy(counts))
     assert np.array_equal(to_numpy(counts), to_numpy(ref_counts))
     assert 0 < to_numpy(counts).sum() < (idx >= 0).sum()
 
@@ -357,7 +372,7 @@ def test_rerun_slots_skip_a_batch_with_no_rerun_key(fw, rng, over_in):
     assert np.array_equal(got_counts, to_numpy(ref_counts))
     for b in range(B):
         if b in over_in:
-            assert np.array_equal(got_idx2[b], to_numpy(ref_idx2)[b])
+            _assert_compaction(got_idx2[b], to_numpy(ref_idx2)[b], got_counts[b])
             assert 0 < got_counts[b].sum() < (idx[b] >= 0).sum()
         else:
             assert (got_counts[b] == 0).all() and (got_idx2[b] == POISON).all()
@@ -429,7 +444,8 @@ def test_exact_dkv_bookkeeping_is_the_framework_code(fw, margin, monkeypatch):
     n_over = int(to_numpy(over).sum())
     assert prov.any_over.tolist() == [int(n_over > 0)]  # B = 1
     if n_over:  # else idx2 is left unwritten (counts 0: the re-run reads none of it)
-        assert np.array_equal(got_idx2, to_numpy(ref_idx2))
+        w = rerun_written(got_counts, L)  # and past each row's last block of re-run slots
+        assert np.array_equal(got_idx2[w], to_numpy(ref_idx2)[w]) and w.any()
     if margin in (-40, -20, -10, 12):
         assert n_over > 0  # the forced grids re-run keys
     else:

@@ -139,16 +139,20 @@ def test_kernel_lowers_for_sm90a(name, args):
         assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
         if not args[4]:
             # the re-run reads a row's slots only in its ceil(Counts / BK) key blocks, none at
-            # Counts = 0: rerun_slots leaves the rows of batches without a re-run key unwritten
-            # (Counts through a bounds-checked temporary: the row is bx + r * RERUN_CTAS).  On
-            # its fixed grid a CTA first ORs its rows' Counts > 0 with one barrier and walks its
-            # rows only if one is set
+            # Counts = 0: rerun_slots writes a row's Idx2 only up to the end of the block of its
+            # last re-run slot and leaves the rows of batches without a re-run key unwritten.
+            # On its fixed grid a CTA loads the Counts of up to 256 of its rows (bx + (c 256 +
+            # tx) RERUN_CTAS: bounds-checked) into shared memory, ORs them > 0 with one barrier
+            # and walks those rows only if one is set, each from its shared count
             bk = args[5]
-            m = re.search(rf"int num_blocks = \(\((condval_\d+) \+ {bk - 1}\) >> "
-                          rf"{bk.bit_length() - 1}\);", src)
-            assert m and re.search(rf"{m.group(1)} = Counts\[", src)
+            assert re.search(rf"int num_blocks = \(\(cnt_s\[r\] \+ {bk - 1}\) >> "
+                             rf"{bk.bit_length() - 1}\);", src)
+            assert _guarded(src, "Counts[", ["((c * 256) + ((int)threadIdx.x)) < "],
+                            before=200) == 1
+            assert re.search(r"cnt_s\[\(\(int\)threadIdx\.x\)\] = Counts\[", src)
             assert src.count("__syncthreads_or(") == 1
-            assert re.search(r"for \(int r = 0; r < \w+; \+\+r\) \{", src)
+            assert re.search(r"for \(int r = 0; r < \w+; \+\+r\) \{\s+if \(0 < cnt_s\[r\]\)",
+                             src)
             spans = [sp for opener in ("if (0 < num_blocks) {", "if (1 <= num_blocks) {",
                                        "for (int k = 0; k < (num_blocks - 1); ++k) {")
                      for sp in _blocks(src, opener)]
@@ -259,15 +263,19 @@ def test_exact_grid_kernel_lowers_for_sm90a(name, args):
         _guarded(src, "Over[", ["(0 <= slot[", "< S_kv)"])
         assert "Idx2[" in src and "Counts[" in src
         # a batch without a re-run key (flag 0) reads no index or key flag and writes no slot:
-        # the flag is loaded once, and every such access is inside an if on it
-        assert "const int* __restrict__ AnyOver" in sig and src.count("AnyOver[") == 1
-        spans = _blocks(src, "if (any_over[0] != 0) {")
+        # every such access is inside an if on the flag
+        assert "const int* __restrict__ AnyOver" in sig
+        spans = _blocks(src, "if (AnyOver[((int64_t)((int)blockIdx.y))] != 0) {")
         assert spans
         for access in ("Indices[", "Over[", "Idx2["):
             assert _all_inside(src, access, spans), access
-        # Counts written for every row: in the flagged branch (its count) and in the other (0)
-        assert sum(not any(a < at < b for a, b in spans) for at in _sites(src, "Counts[")) == 1
-        assert _all_inside(src, "Idx2[", spans) and len(_sites(src, "Counts[")) == 2
+        # a warp per row: Counts written once per row, by lane 0, outside the flag's branch
+        # (its count there, 0 otherwise); the -1 after the re-run slots only to the end of
+        # their block (end = min(ceil(count / 64) 64, L))
+        assert len(_sites(src, "Counts[")) == 1 and not _all_inside(src, "Counts[", spans)
+        assert "end[0] = min((((base[0] + 63) >> 6) * 64), L);" in src
+        assert _guarded(src, "Idx2[", ["< L)"], before=400) == 2
+        assert "__syncthreads()" not in src
 
 
 @pytest.mark.parametrize("name, args", [MAIN64, RERUN64], ids=["main64_exact", "rerun64_exact"])

@@ -33,6 +33,7 @@ from helpers import (
     exact_first_pass_state,
     extreme_logits_case,
     rel_l2,
+    rerun_written,
 )
 
 pytestmark = pytest.mark.gpu
@@ -192,16 +193,21 @@ if cuda_available():
                 whole=True)
 
         def exact_rerun_slots(self, idx, over, any_over, idx2, counts):
-            # counts is written whole, idx2 only in the batches with a re-run key: the other
-            # batches' rows keep the poison (an index far past S_kv), which the re-run then
-            # must not read
+            # counts is written whole, idx2 only in the batches with a re-run key and there
+            # only up to the end of the 64-slot block of each row's last re-run slot
+            # (helpers.rerun_written): the rest keeps the poison (an index far past S_kv),
+            # which the re-run then must not read
             self._run(lambda v: super(GuardedKernels, self).exact_rerun_slots(
                 idx, over, any_over, *v), [("idx2", idx2, True), ("counts", counts, True)])
             assert _unwritten(counts) == 0, f"counts: {_unwritten(counts)} elements not written"
+            # (counts = 0 in a batch without the flag: nothing written there)
+            written = torch.from_numpy(rerun_written(counts.cpu().numpy(), idx2.shape[-1]))
             for b, flag in enumerate(any_over.tolist()):
-                left = _unwritten(idx2[b])
-                assert left == (0 if flag else idx2[b].numel()), (
-                    f"idx2[{b}] (any_over {flag}): {left} elements not written")
+                w = written[b].to(idx2.device)
+                poisoned = idx2[b] == _poison(idx2.dtype)
+                assert not bool((poisoned & w).any()) and bool(poisoned[~w].all()), (
+                    f"idx2[{b}] (any_over {flag}): {int((poisoned & w).sum())} slots it must "
+                    f"write not written, {int((~poisoned & ~w).sum())} written past them")
 
 
 def _inputs(case, seed):
@@ -439,6 +445,63 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch, case):
         assert e < TOL
 
 
+class _RerunCapture(interface.TileLangKernels if cuda_available() else object):
+    """The shipped kernels; keeps copies of the exact re-run launch's arguments (``rerun``)."""
+
+    def bwd_main(self, m, mode, with_dq, *args, **kw):
+        if not with_dq:
+            torch.cuda.synchronize()
+            self.rerun = (m, [t.clone() for t in args])
+        super().bwd_main(m, mode, with_dq, *args, **kw)
+
+
+def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
+    """The re-run kernel's walk (``sparse_bwd.main``, ``with_dq=False``: CTA ``x`` of
+    ``RERUN_CTAS`` owns rows ``x, x + RERUN_CTAS, ...`` and walks those with ``Counts > 0``) on
+    the arguments of a forced re-run (every key re-runs, every row has slots in ``idx2``),
+    with ``Counts`` kept only in a few rows: a CTA whose busy row is its second or third (its
+    first empty), one with its first and third busy around an empty second, one with a
+    single row, and CTAs with none.  Its accumulator and ``Bound`` equal the sums of one
+    launch per busy row, exactly (the re-run grids keep every sum exact), so it walked each
+    busy row once and no other (every other row's ``idx2`` holds slots it must not add)."""
+    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import RERUN_CTAS as C
+
+    case = dict(B=1, S=300, S_kv=400, H=64, L=96, sink=True)
+    q, kv, do, sink, idx = _inputs(case, 5)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink)
+    monkeypatch.setattr(interface, "GRID_MARGIN_BITS", -20)  # every key re-runs
+    cap = _RerunCapture()
+    interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE, provider=cap)
+    m, (q_p, kv_p, do_p, idx2, lse2, delta, scale, inv_grid, counts, dq, acc, bound,
+        bexp) = cap.rerun
+    assert C == 132 and case["S"] > 2 * C  # CTAs 0..35 own three rows, the others two
+    busy = [C + 3, 2 * C + 7, 10, 2 * C + 10, 50]
+    assert bool((counts[0, busy] > 0).all())
+
+    def rerun(rows):
+        c = torch.zeros_like(counts)
+        c[0, rows] = counts[0, rows]
+        a, b = torch.zeros_like(acc), torch.zeros_like(bound)
+        e = torch.full_like(bexp, -(2**30))
+        d = torch.full_like(dq, float("nan"))  # not written by the re-run
+        interface.TileLangKernels().bwd_main(m, "exact", False, q_p, kv_p, do_p, idx2, lse2,
+                                             delta, scale, inv_grid, c, d, a, b, e)
+        torch.cuda.synchronize()
+        assert bool(torch.isnan(d).all())
+        return a.double(), b
+
+    acc_all, bound_all = rerun(busy)
+    acc_sum = torch.zeros_like(acc_all)
+    bound_sum = torch.zeros_like(bound_all)
+    for r in busy:
+        a, b = rerun([r])
+        assert bool(a.any())
+        acc_sum += a
+        bound_sum += b
+    assert torch.equal(acc_all, acc_sum) and torch.equal(bound_all, bound_sum)
+    assert bool(acc_all.any()) and not bool(rerun([])[0].any())
+
+
 class _FirstPassCapture(interface.TileLangKernels if cuda_available() else object):
     """The shipped kernels, except that 64-head first passes may run the one-role kernel
     (``one_role=True``); keeps a copy of each exact first pass's dq, dKV accumulator, Bound and
@@ -636,7 +699,7 @@ def test_exact_grid_kernels_match_the_stand_in(case):
         assert torch.equal(counts, counts_ref), name
         on = flag != 0  # the other batches' idx2: left unwritten by both (the guard checked)
         assert bool((idx2_ref[~on] == 12345).all()), name
-        got, want = idx2[on], idx2_ref[on]
+        got, want = idx2[on], idx2_ref[on]  # unwritten past each row's block: 12345 in both
         assert torch.equal(got.sort(-1).values, want.sort(-1).values), name  # as sets
         assert torch.equal(got, want), f"{name}: the re-run slots' order differs"
 

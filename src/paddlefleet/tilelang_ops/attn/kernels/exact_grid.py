@@ -39,6 +39,7 @@ tensor's end or dereferences a ``-1`` slot (or any index outside ``[0, S_kv)``).
 """
 
 from ... import settings
+from ..tiling import INDEX_PAD
 from .sparse_bwd import LOG2E, sink_lse2
 
 tilelang = settings.import_tilelang()
@@ -70,7 +71,8 @@ def _warp_sum(x):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
+def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
+              heads_per_pass: int = 2):
     """The deterministic backward's preprocess and the rows' grid weights, in one pass over
     ``out``, ``dO`` and ``q`` (one CTA per query row ``(b, s)``).  Per real head ``h`` what
     ``sparse_bwd.preprocess`` writes for the atomic backward: ``Delta = rowsum(O dO)`` (fp32),
@@ -107,10 +109,12 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
     L = T.dynamic("L")
 
     @T.macro
-    def load_vec(X, vec, i, b_i, s_i, h, lane):
-        # the lane's i-th 16-byte vector of head row X[b, s, h, :] into vec[i VEC:(i + 1) VEC]
+    def load_vec(X, vec, j, i, b_i, s_i, h, lane):
+        # the lane's i-th 16-byte vector of head row X[b, s, h, :] into vec[j VEC:(j + 1) VEC]
         for e in T.vectorized(VEC):
-            vec[i * VEC + e] = X[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+            vec[j * VEC + e] = X[b_i, s_i, h, (i * WARP + lane) * VEC + e]
+
+    HP = heads_per_pass
 
     @T.prim_func
     def exact_grid_rows(
@@ -130,9 +134,9 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
         with T.Kernel(S, B, threads=threads) as (s_i, b_i):
             w_part = T.alloc_shared([NW], "float64")
             n_part = T.alloc_shared([NW], "int32")
-            ov = T.alloc_local([OR * VEC], "bfloat16")
-            dv = T.alloc_local([OR * VEC], "bfloat16")
-            qv = T.alloc_local([QR * VEC], "bfloat16")
+            ov = T.alloc_local([HP * OR * VEC], "bfloat16")
+            dv = T.alloc_local([HP * OR * VEC], "bfloat16")
+            qv = T.alloc_local([HP * QR * VEC], "bfloat16")
             dl = T.alloc_local([1], "float32")
             d2 = T.alloc_local([1], "float64")
             q2 = T.alloc_local([1], "float64")
@@ -147,41 +151,52 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128):
 
             kscale[0] = T.Cast("float64", KvNorm[0]) * T.Cast("float64", KvNorm[0]) * kv_coef
             w[0] = 0
-            for hh in T.serial(T.ceildiv(H, NW)):
-                h = hh * NW + warp
-                if h < H:  # the same for the whole warp: its shuffles stay whole
-                    for i in T.unroll(OR):
-                        if i * WARP + lane < OV:
-                            load_vec(O, ov, i, b_i, s_i, h, lane)
-                            load_vec(dO, dv, i, b_i, s_i, h, lane)
-                    for i in T.unroll(QR):
-                        if i * WARP + lane < QV:
-                            load_vec(Q, qv, i, b_i, s_i, h, lane)
-                    dl[0] = 0
-                    d2[0] = 0
-                    q2[0] = 0
-                    for i in T.unroll(OR):
-                        if i * WARP + lane < OV:
-                            for e in T.unroll(VEC):
-                                dl[0] = dl[0] + T.Cast("float32", ov[i * VEC + e]) * T.Cast(
-                                    "float32", dv[i * VEC + e])
-                                d2[0] = d2[0] + T.Cast("float64", dv[i * VEC + e]) * T.Cast(
-                                    "float64", dv[i * VEC + e])
-                    for i in T.unroll(QR):
-                        if i * WARP + lane < QV:
-                            for e in T.unroll(VEC):
-                                q2[0] = q2[0] + T.Cast("float64", qv[i * VEC + e]) * T.Cast(
-                                    "float64", qv[i * VEC + e])
-                    _warp_sum(dl)
-                    _warp_sum(d2)
-                    _warp_sum(q2)
-                    w[0] = w[0] + d2[0] * (kscale[0] * q2[0] + 1.0 / d_v)
-                    if lane == 0:
-                        sink2[0] = Sink[h] * LOG2E
-                        lse2[0] = sink_lse2(Lse[b_i, s_i, h], sink2[0], natural)
-                        Delta[b_i, s_i, h] = dl[0]
-                        Lse2[b_i, s_i, h] = lse2[0]
-                        DSink[b_i, s_i, h] = -T.exp2(sink2[0] - lse2[0]) * dl[0]
+            for hh in T.serial(T.ceildiv(H, NW * HP)):
+                # the warp's heads warp, warp + NW, ... in order, HP of them per pass: all
+                # their loads first, then each head's sums in turn
+                for p in T.unroll(HP):
+                    if (hh * HP + p) * NW + warp < H:  # the same for the whole warp
+                        for i in T.unroll(OR):
+                            if i * WARP + lane < OV:
+                                load_vec(O, ov, p * OR + i, i, b_i, s_i, (hh * HP + p) * NW + warp,
+                                         lane)
+                                load_vec(dO, dv, p * OR + i, i, b_i, s_i,
+                                         (hh * HP + p) * NW + warp, lane)
+                        for i in T.unroll(QR):
+                            if i * WARP + lane < QV:
+                                load_vec(Q, qv, p * QR + i, i, b_i, s_i, (hh * HP + p) * NW + warp,
+                                         lane)
+                for p in T.unroll(HP):
+                    h = (hh * HP + p) * NW + warp
+                    if h < H:  # the same for the whole warp: its shuffles stay whole
+                        dl[0] = 0
+                        d2[0] = 0
+                        q2[0] = 0
+                        for i in T.unroll(OR):
+                            if i * WARP + lane < OV:
+                                for e in T.unroll(VEC):
+                                    dl[0] = dl[0] + T.Cast(
+                                        "float32", ov[(p * OR + i) * VEC + e]) * T.Cast(
+                                        "float32", dv[(p * OR + i) * VEC + e])
+                                    d2[0] = d2[0] + T.Cast(
+                                        "float64", dv[(p * OR + i) * VEC + e]) * T.Cast(
+                                        "float64", dv[(p * OR + i) * VEC + e])
+                        for i in T.unroll(QR):
+                            if i * WARP + lane < QV:
+                                for e in T.unroll(VEC):
+                                    q2[0] = q2[0] + T.Cast(
+                                        "float64", qv[(p * QR + i) * VEC + e]) * T.Cast(
+                                        "float64", qv[(p * QR + i) * VEC + e])
+                        _warp_sum(dl)
+                        _warp_sum(d2)
+                        _warp_sum(q2)
+                        w[0] = w[0] + d2[0] * (kscale[0] * q2[0] + 1.0 / d_v)
+                        if lane == 0:
+                            sink2[0] = Sink[h] * LOG2E
+                            lse2[0] = sink_lse2(Lse[b_i, s_i, h], sink2[0], natural)
+                            Delta[b_i, s_i, h] = dl[0]
+                            Lse2[b_i, s_i, h] = lse2[0]
+                            DSink[b_i, s_i, h] = -T.exp2(sink2[0] - lse2[0]) * dl[0]
             for p in T.serial(T.ceildiv(H_pad - H, threads)):
                 if H + p * threads + tx < H_pad:
                     Delta[b_i, s_i, H + p * threads + tx] = 0.0
@@ -392,29 +407,28 @@ def rerun_plan(d_qk: int, block_keys: int = 64, threads: int = 256):
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def rerun_slots(threads: int = 256, rounds: int = 8, rows: int = 8):
+def rerun_slots(threads: int = 256, rounds: int = 8, block: int = INDEX_PAD):
     """``Idx2 [B, S, L]``: each row's slots whose key re-runs (``Over[b, Indices] != 0``) first,
-    in their order, ``-1`` after them; ``Counts [B, S]`` how many.  One CTA per ``rows`` rows
-    (one wave of CTAs at S = 8192 where one per row took ~8), row after row, each in passes of
-    ``rounds * threads`` slots: every thread loads its ``rounds`` slots and their keys' flags
-    first (independent loads), then per round a warp ballot gives each flagged slot its place
-    among its warp's, shared memory the warps' counts.  In a flagged batch every slot of
-    ``Idx2`` is written exactly once (the other batches: below).
+    in their order, ``-1`` after them up to the end of the ``block``-slot block that holds the
+    last (the re-run reads whole key blocks, the first ``ceil(Counts / BK)``, and every key
+    block ``BK`` divides ``block = tiling.INDEX_PAD``); ``Counts [B, S]`` how many.  ``Idx2``
+    past that block, and all of a row with ``Counts = 0``, is left as it was (unwritten): the
+    re-run reads none of it.
+
+    A warp per row, ``threads / 32`` rows per CTA, no CTA barrier: each lane loads ``rounds``
+    slots of a pass and their keys' flags first (independent loads), then per round a warp
+    ballot gives each flagged slot its place.  (Run 68: with a re-run key, the former kernel,
+    a CTA walking 8 rows with two CTA barriers per pass and ``-1`` written over every row's
+    whole tail, took 60 us at ``fleet`` where it finds a single slot.)
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
-    (``AnyOver[b] = 0``) reads neither ``Indices`` nor ``Over``, writes ``Counts = 0`` and
-    leaves its ``Idx2`` row as it was (unwritten): almost every call re-runs no key, and the
-    compaction reads every index (run 44: 0.054 ms at S = S_kv = 8192, topk 640).  Nothing
-    reads such a row: the re-run (``sparse_bwd.main`` with ``with_dq=False``) loads a row's
-    ``Idx2`` only in its first ``ceil(Counts / BK)`` key blocks, none at ``Counts = 0``, and a
-    row with ``Counts > 0`` belongs to a flagged batch, whose rows are written whole (the
-    ``-1`` tail covers the last block's slots past ``Counts``).  The flag is per batch and a
-    CTA owns rows of one batch: the whole CTA takes the same branch (its barriers stay
-    whole)."""
-    assert threads % WARP == 0 and rows <= threads
-    NW = threads // WARP
+    (``AnyOver[b] = 0``, almost every call) reads neither ``Indices`` nor ``Over`` and only gets
+    ``Counts = 0``.  The flag is per batch and a warp owns one row: the whole warp takes the
+    same branch (its ballots stay whole)."""
+    assert threads % WARP == 0
+    NW = threads // WARP  # rows per CTA
     R = rounds
-    PASS = R * threads
+    PASS = R * WARP
     B = T.dynamic("B")
     S = T.dynamic("S")
     L = T.dynamic("L")
@@ -428,59 +442,40 @@ def rerun_slots(threads: int = 256, rounds: int = 8, rows: int = 8):
         Idx2: T.Tensor([B, S, L], "int32"),
         Counts: T.Tensor([B, S], "int32"),
     ):
-        with T.Kernel(T.ceildiv(S, rows), B, threads=threads) as (r_blk, b_i):
-            counts_s = T.alloc_shared([R, NW], "int32")
+        with T.Kernel(T.ceildiv(S, NW), B, threads=threads) as (r_blk, b_i):
             slot = T.alloc_local([R], "int32")
             flag = T.alloc_local([R], "int32")
             mask = T.alloc_local([R], "uint32")
-            base = T.alloc_local([1], "int32")  # flagged slots in the passes before: all threads
-            pos = T.alloc_local([1], "int32")
-            any_over = T.alloc_local([1], "int32")
+            base = T.alloc_local([1], "int32")  # the row's flagged slots so far: every lane
+            end = T.alloc_local([1], "int32")
             tx = T.get_thread_binding()
             lane = tx % WARP
-            warp = tx // WARP
-
-            any_over[0] = AnyOver[b_i]  # loaded once: the body below may be split in two ifs
-            if any_over[0] != 0:  # the same for the whole CTA: one batch
-                for rr in T.serial(rows):
-                    s_i = r_blk * rows + rr
-                    if s_i < S:  # the same for the whole CTA
-                        base[0] = 0
-                        for ps in T.serial(T.ceildiv(L, PASS)):
-                            for r in T.unroll(R):
-                                slot[r] = -1
-                                if ps * PASS + r * threads + tx < L:
-                                    slot[r] = Indices[b_i, s_i, ps * PASS + r * threads + tx]
-                            for r in T.unroll(R):
-                                flag[r] = 0
-                                if slot[r] >= 0 and slot[r] < S_kv:
-                                    flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
-                            for r in T.unroll(R):
-                                mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
-                                if lane == 0:
-                                    counts_s[r, warp] = T.Cast("int32", T.popcount(mask[r]))
-                            T.sync_threads()
-                            for r in T.unroll(R):
-                                # flagged slots before this one: earlier rounds, earlier
-                                # warps, lower lanes
-                                pos[0] = base[0]
-                                for k in T.unroll(NW):
-                                    if k < warp:
-                                        pos[0] = pos[0] + counts_s[r, k]
-                                if flag[r] != 0:
-                                    below = (T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1)
-                                    pos[0] = pos[0] + T.Cast("int32", T.popcount(mask[r] & below))
-                                    Idx2[b_i, s_i, pos[0]] = slot[r]
-                                for k in T.unroll(NW):
-                                    base[0] = base[0] + counts_s[r, k]
-                            T.sync_threads()  # counts_s is rewritten by the next pass
-                        for i in T.serial(T.ceildiv(L, threads)):
-                            if i * threads + tx >= base[0] and i * threads + tx < L:
-                                Idx2[b_i, s_i, i * threads + tx] = -1
-                        if tx == 0:
-                            Counts[b_i, s_i] = base[0]
-            else:
-                if tx < rows and r_blk * rows + tx < S:
-                    Counts[b_i, r_blk * rows + tx] = 0
+            s_i = r_blk * NW + tx // WARP
+            base[0] = 0
+            if s_i < S:  # the same for the whole warp
+                if AnyOver[b_i] != 0:  # the same for the whole warp: one batch
+                    for ps in T.serial(T.ceildiv(L, PASS)):
+                        for r in T.unroll(R):
+                            slot[r] = -1
+                            if ps * PASS + r * WARP + lane < L:
+                                slot[r] = Indices[b_i, s_i, ps * PASS + r * WARP + lane]
+                        for r in T.unroll(R):
+                            flag[r] = 0
+                            if slot[r] >= 0 and slot[r] < S_kv:
+                                flag[r] = T.if_then_else(Over[b_i, slot[r]] != 0, 1, 0)
+                        for r in T.unroll(R):
+                            mask[r] = T.Cast("uint32", T.ballot(flag[r] != 0))
+                            if flag[r] != 0:  # after the flagged slots of lower lanes
+                                Idx2[b_i, s_i, base[0] + T.Cast("int32", T.popcount(
+                                    mask[r] & ((T.uint32(1) << T.Cast("uint32", lane))
+                                               - T.uint32(1))))] = slot[r]
+                            base[0] = base[0] + T.Cast("int32", T.popcount(mask[r]))
+                    # -1 from Counts to the end of its block (none at Counts = 0)
+                    end[0] = T.min(T.ceildiv(base[0], block) * block, L)
+                    for i in T.serial(T.ceildiv(block, WARP)):
+                        if base[0] + i * WARP + lane < end[0]:
+                            Idx2[b_i, s_i, base[0] + i * WARP + lane] = -1
+                if lane == 0:
+                    Counts[b_i, s_i] = base[0]
 
     return exact_rerun_slots

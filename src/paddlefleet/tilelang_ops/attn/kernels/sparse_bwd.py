@@ -429,121 +429,132 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             sc = T.alloc_local([2], acc_t)
             r4 = T.alloc_local([4], acc_t)
 
+            # the re-run: its rows' Counts, a chunk of `threads` rows at a time
+            cnt_s = T.alloc_shared([threads], "int32", scope="shared") if not with_dq else None
+
             h0 = g_i * M
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
             # the re-run (with_dq=False) runs on a fixed grid of RERUN_CTAS CTAs per (batch,
             # head group), CTA bx owning rows bx, bx + RERUN_CTAS, ...: almost every call re-runs
             # no key, and one CTA per row (one per SM: its shared memory) made that empty re-run
-            # ~60 waves of CTAs that only read Counts (0.05 ms at fleet, run 64).  The CTA first
-            # loads its rows' Counts together (a thread per row) and walks its rows one after
-            # another only if one of them has a slot (walking them all cost ~0.1 ms, run 63)
+            # ~60 waves of CTAs that only read Counts (0.05 ms at fleet, run 64).  The CTA loads
+            # the Counts of `threads` of its rows together (a thread per row) into shared memory
+            # and walks them one after another only if one of them has a slot (walking them all
+            # cost ~0.1 ms, run 63; reading each row's Counts from global memory during the walk
+            # cost ~0.5 us a row, run 68)
             if not with_dq:
                 tx = T.get_thread_binding()
-                busy = T.alloc_local([2], "int32")
-                busy[0] = 0
-                for i in T.serial(T.ceildiv(T.ceildiv(S, RERUN_CTAS), threads)):
-                    if bx + (i * threads + tx) * RERUN_CTAS < S:
-                        if Counts[b_i, bx + (i * threads + tx) * RERUN_CTAS] > 0:
-                            busy[0] = 1
-                # one barrier that ORs every thread's flag
-                busy[1] = T.call_extern("int32", "__syncthreads_or", busy[0])
-            for r in T.serial(1 if with_dq else T.if_then_else(
-                    busy[1] != 0, T.ceildiv(T.max(S - bx, 0), RERUN_CTAS), 0)):
-                s_i = bx if with_dq else bx + r * RERUN_CTAS
-                # the re-run (with_dq=False): a row with no key to re-run (almost every row, in
-                # almost every call) loads nothing (run 39: the empty re-run's tile loads cost
-                # 0.16 ms)
-                if with_dq or Counts[b_i, s_i] > 0:
-                    T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-                    T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
-                    T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
-                if with_dq:
-                    T.clear(acc_dq)
-                    T.clear(acc_dq_tail)
-                num_blocks = L // BK if with_dq else T.ceildiv(Counts[b_i, s_i], BK)
-
-                for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
-                    for j in T.Parallel(BK):
-                        valid[j] = Indices[b_i, s_i, k_i * BK + j] >= 0
-                    # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
-                    for j, d in T.Parallel(BK, D):
-                        KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
-                    for j, d in T.Parallel(BK, D_tail):
-                        KV_tail_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0),
-                                                  D + d]
-                    if exact:
-                        for j in T.Parallel(BK):
-                            inv_grid[j] = InvGrid[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
-                    for h, j in T.Parallel(M, BK):
-                        acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
-                    T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    for h, j in T.Parallel(M, BK):
-                        acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
-                    T.copy(acc_p, P_shared)
-
-                    T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
-                           policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    for h, j in T.Parallel(M, BK):
-                        acc_dp[h, j] = (acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h])
-                                        * sc[1])
-                    T.copy(acc_dp, dS_shared)
+                busy = T.alloc_local([1], "int32")
+                n_rows = T.ceildiv(T.max(S - bx, 0), RERUN_CTAS)  # this CTA's rows
+            for c in T.serial(1 if with_dq else T.ceildiv(n_rows, threads)):
+                if not with_dq:
+                    cnt_s[tx] = 0
+                    if c * threads + tx < n_rows:
+                        cnt_s[tx] = Counts[b_i, bx + (c * threads + tx) * RERUN_CTAS]
+                    # one barrier that ORs every thread's flag (and publishes cnt_s)
+                    busy[0] = T.call_extern("int32", "__syncthreads_or",
+                                            T.if_then_else(cnt_s[tx] > 0, 1, 0))
+                for r in T.serial(1 if with_dq else T.if_then_else(
+                        busy[0] != 0, T.min(threads, n_rows - c * threads), 0)):
+                    s_i = bx if with_dq else bx + (c * threads + r) * RERUN_CTAS
+                    # the re-run (with_dq=False): a row with no key to re-run (almost every row,
+                    # in almost every call) loads nothing (run 39: the empty re-run's tile loads
+                    # cost 0.16 ms)
+                    if with_dq or cnt_s[r] > 0:
+                        T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
+                        T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+                        T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
                     if with_dq:
-                        # dQ before dKV: its GEMMs are KV_shared's last readers, so the pipeline
-                        # issues the next block's gather here and it lands under the dKV chunks
-                        # (with dQ last it was waited for at the top of the next block; run 28)
-                        T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                        T.gemm(dS_shared, KV_tail_shared, acc_dq_tail,
+                        T.clear(acc_dq)
+                        T.clear(acc_dq_tail)
+                    num_blocks = L // BK if with_dq else T.ceildiv(cnt_s[r], BK)
+
+                    for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
+                        for j in T.Parallel(BK):
+                            valid[j] = Indices[b_i, s_i, k_i * BK + j] >= 0
+                        # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
+                        for j, d in T.Parallel(BK, D):
+                            KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
+                        for j, d in T.Parallel(BK, D_tail):
+                            KV_tail_shared[j, d] = KV[
+                                b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), D + d]
+                        if exact:
+                            for j in T.Parallel(BK):
+                                inv_grid[j] = InvGrid[
+                                    b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0)]
+                        for h, j in T.Parallel(M, BK):
+                            acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
+                        T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
                                policy=T.GemmWarpPolicy.FullCol)
+                        T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
+                               policy=T.GemmWarpPolicy.FullCol)
+                        for h, j in T.Parallel(M, BK):
+                            acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
+                        T.copy(acc_p, P_shared)
 
-                    # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
-                    # registers under the cap (the whole-row version spilled in the exact mode)
-                    if exact:
-                        T.fill(u_cols, 0)
-                    for c in T.serial(D // CW):
-                        if dkv_transposed:
-                            # issued without a wait: the next GEMM's wait covers both
-                            T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
-                                         transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
-                                         clear_accum=True)
-                            T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
-                                   transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                        else:
-                            T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                                   transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                                   clear_accum=True)
-                            T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
-                                   transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                        stage_rows(dkv_stage, acc_dkv, CW)
-                        for j, d4 in T.Parallel(BK, CW // 4):
-                            scatter4(u_cols, r4, dkv_stage, inv_grid, dKV_acc, b_i,
-                                     Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
-
-                    if dkv_transposed:
-                        # M = 64 splits N over the warpgroups: BK / 2 columns each, so TileLang
-                        # narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32) for every GEMM
-                        T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
-                               policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                    else:
-                        T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                        T.gemm(dO_shared, KV_shared, acc_dp, transpose_B=True,
                                policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    stage_rows(dkv_tail_stage, acc_dkv_tail, D_tail)
-                    # same (slot, 4-column) to thread map as the chunks' loop, so that u_cols keeps
-                    # one layout; the tail's 16 column groups use the first 16 of them
-                    for j, d4 in T.Parallel(BK, CW // 4):
-                        if d4 < D_tail // 4:
-                            scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
-                                     Indices[b_i, s_i, k_i * BK + j], D, j, d4)
-                    if exact:
-                        add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices, b_i, s_i,
-                                       k_i)
+                        for h, j in T.Parallel(M, BK):
+                            acc_dp[h, j] = (acc_p[h, j] * (acc_dp[h, j] - Delta[b_i, s_i, h0 + h])
+                                            * sc[1])
+                        T.copy(acc_dp, dS_shared)
+                        if with_dq:
+                            # dQ before dKV: its GEMMs are KV_shared's last readers, so the pipeline
+                            # issues the next block's gather here and it lands under the dKV chunks
+                            # (with dQ last it was waited for at the top of the next block; run 28)
+                            T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                            T.gemm(dS_shared, KV_tail_shared, acc_dq_tail,
+                                   policy=T.GemmWarpPolicy.FullCol)
 
-                if with_dq:
-                    T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
-                    T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
+                        # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
+                        # registers under the cap (the whole-row version spilled in the exact mode)
+                        if exact:
+                            T.fill(u_cols, 0)
+                        for c in T.serial(D // CW):
+                            if dkv_transposed:
+                                # issued without a wait: the next GEMM's wait covers both
+                                T.wgmma_gemm(Q_shared[:, c * CW:(c + 1) * CW], dS_shared, acc_dkv,
+                                             transpose_A=True, policy=T.GemmWarpPolicy.FullRow,
+                                             clear_accum=True)
+                                T.gemm(dO_shared[:, c * CW:(c + 1) * CW], P_shared, acc_dkv,
+                                       transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                            else:
+                                T.gemm(dS_shared, Q_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                                       transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
+                                       clear_accum=True)
+                                T.gemm(P_shared, dO_shared[:, c * CW:(c + 1) * CW], acc_dkv,
+                                       transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                            stage_rows(dkv_stage, acc_dkv, CW)
+                            for j, d4 in T.Parallel(BK, CW // 4):
+                                scatter4(u_cols, r4, dkv_stage, inv_grid, dKV_acc, b_i,
+                                         Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
+
+                        if dkv_transposed:
+                            # M = 64 splits N over the warpgroups: BK / 2 columns each, so
+                            # TileLang narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32)
+                            # for every GEMM
+                            T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
+                                   policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                        else:
+                            T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                                   policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                        stage_rows(dkv_tail_stage, acc_dkv_tail, D_tail)
+                        # same (slot, 4-column) to thread map as the chunks' loop, so that
+                        # u_cols keeps one layout; the tail's 16 column groups use the first 16
+                        for j, d4 in T.Parallel(BK, CW // 4):
+                            if d4 < D_tail // 4:
+                                scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
+                                         Indices[b_i, s_i, k_i * BK + j], D, j, d4)
+                        if exact:
+                            add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices,
+                                           b_i, s_i, k_i)
+
+                    if with_dq:
+                        T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
+                        T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
+                if not with_dq:
+                    T.sync_threads()  # cnt_s is rewritten by the next chunk
 
     return sparse_bwd_main
 
