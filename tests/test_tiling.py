@@ -61,28 +61,3 @@ def test_dkv_column_order_is_the_wgmma_fragment_in_float4s():
             assert got == [c16 + 4 * q + k for k in range(4)]
     assert tiling.dkv_columns_permuted(64)
     assert not tiling.dkv_columns_permuted(16) and not tiling.dkv_columns_permuted(32)
-
-
-def test_tail_split_fills_the_last_wave():
-    """The rows of the 64-head first pass's last wave go to a second launch in 2^log_parts
-    CTAs each (pairs of key blocks), at most TAIL_SMS CTAs in all; none when the first launch
-    ends in whole waves or fewer than two parts fit."""
-    sms = tiling.TAIL_SMS
-    assert sms == 132
-    # ref: 4096 rows, one plane, 32 key blocks: 4 rows in 16 parts of 2 blocks
-    assert tiling.tail_split(4096, 1, 32) == (4, 4)
-    # h128 / b2: 2 planes, 8 or 4 CTAs of tail: 4 or 2 rows of each plane, 16 parts
-    assert tiling.tail_split(4096, 2, 32) == (4, 4) and tiling.tail_split(2048, 2, 32) == (2, 4)
-    # fleet: 8 rows of 10 blocks: 4 parts (5 pairs fit, a power of two taken)
-    assert tiling.tail_split(8192, 1, 10) == (8, 2)
-    for rows, planes, blocks in ((4092, 1, 32), (300, 1, 1), (48, 2, 3), (132, 3, 32)):
-        assert tiling.tail_split(rows, planes, blocks) == (0, 0)
-    for rows in range(1, 700, 7):
-        for planes in (1, 2, 3, 4):
-            for blocks in (1, 2, 4, 10, 32):
-                n, lp = tiling.tail_split(rows, planes, blocks)
-                if n:
-                    assert n <= rows and lp >= 1 and 2 ** lp <= blocks // 2
-                    assert n * planes * 2 ** lp <= sms
-                    # the first launch ends in whole waves or within the last one
-                    assert ((rows - n) * planes) % sms == 0 or n * planes > (rows * planes) % sms

@@ -445,53 +445,6 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch, case):
         assert e < TOL
 
 
-SPLIT_CASES = [
-    # 140 rows: 132 in the first launch, the last 8 in 2 parts of 2 key blocks each
-    dict(id="H64_S140_L256", B=1, S=140, S_kv=300, H=64, L=256, sink=True, planes=1),
-    # B = 2 and two head groups (4 planes): 4 rows of each in 4 parts of 2 blocks
-    dict(id="H128_B2_S70_L512", B=2, S=70, S_kv=600, H=128, L=512, sink=True, planes=4),
-]
-
-
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c["id"] for c in SPLIT_CASES])
-def test_last_wave_split_matches_one_cta_per_row(case, monkeypatch):
-    """The 64-head first pass's last-wave rows (``tiling.tail_split``) in a second launch,
-    ``2^log_parts`` CTAs each, their dQ added by ``split_dq``, against the same call with no
-    row split: the other rows' dq bit for bit, the split rows' within fp32 rounding of the
-    partial sums (then bf16), the deterministic dKV and every d_sink bit for bit (the exact
-    sums do not depend on which CTA adds what), both modes at the bf16 floor against the fp64
-    reference, the deterministic call repeatable; GuardedKernels checks that dq is written
-    whole and nothing outside a tensor."""
-    q, kv, do, sink, idx = _inputs(case, 11)
-    B, S, L = case["B"], case["S"], case["L"]
-    n, log_parts = tiling.tail_split(S, case["planes"], L // 64)
-    assert 0 < n < S and log_parts > 0
-    prov = GuardedKernels()
-    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
-    ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
-
-    def bwd(det):
-        return interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
-                                               deterministic=det, provider=prov)
-
-    split = {det: bwd(det) for det in (True, False)}
-    again = bwd(True)
-    assert all(torch.equal(a, b) for a, b in zip(split[True], again)), "not repeatable"
-    monkeypatch.setattr(tiling, "tail_split", lambda *a: (0, 0))
-    whole = {det: bwd(det) for det in (True, False)}
-    for det in (True, False):
-        (dq, dkv, d_sink), (dq_w, dkv_w, d_sink_w) = split[det], whole[det]
-        assert torch.equal(dq[:, :S - n], dq_w[:, :S - n]), "rows of the first launch"
-        e = rel_l2(dq[:, S - n:].float(), dq_w[:, S - n:].float())
-        errs = (e, rel_l2(dq.float(), ref_dq), rel_l2(dkv.float(), ref_dkv))
-        print(f"\n[split {case['id']} det={det}] dq split rows vs whole {e:.2e} "
-              f"dq {errs[1]:.2e} dkv {errs[2]:.2e}")
-        assert e < 4e-3 and errs[1] < TOL and errs[2] < TOL
-        assert torch.equal(d_sink, d_sink_w)
-        if det:
-            assert torch.equal(dkv, dkv_w), "the exact dKV depends on the split"
-
-
 class _RerunCapture(interface.TileLangKernels if cuda_available() else object):
     """The shipped kernels; keeps copies of the exact re-run launch's arguments (``rerun``)."""
 

@@ -173,32 +173,17 @@ class TileLangKernels:
 
     def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
-        from .kernels import SPLIT_TILES, main_args
+        from .kernels import main_args
 
-        d_qk = int(q.shape[-1])
-        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), d_qk,
+        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), int(q.shape[-1]),
                                         int(grad_out.shape[-1]), fused=pre is not None,
                                         natural=pre is None or pre.natural)
         args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
                 bound, bound_exp)
-        if pre is not None:
-            args += (pre.out, pre.lse, pre.sink, pre.d_sink_rows)
-        if not (with_dq and heads_per_cta in SPLIT_TILES):
+        if pre is None:
             self._kernel(key)(*args)
-            return
-        # the last wave's rows in a second launch, split by key blocks (tiling.tail_split)
-        ops = ops_for(q)
-        b, s, h_pad = (int(x) for x in ops.shape(q)[:3])
-        planes = b * (h_pad // heads_per_cta)
-        n_split, log_parts = tiling.tail_split(s, planes, int(ops.shape(indices)[-1]) // 64)
-        kernel = self._kernel(key)
-        if s > n_split:  # rows S - 1 - n_split .. 0, one CTA each
-            no_dqp = ops.empty((1, heads_per_cta, d_qk), "float32", q)  # not written
-            kernel(*args, no_dqp, s - 1 - n_split, s - n_split, 0)
-        if n_split:  # rows S - 1 .. S - n_split, 2^log_parts CTAs each, fp32 dQ per CTA
-            dqp = ops.empty((planes * n_split << log_parts, heads_per_cta, d_qk), "float32", q)
-            kernel(*args, dqp, s - 1, n_split << log_parts, log_parts)
-            self._kernel(("bwd_split_dq", heads_per_cta, d_qk))(dqp, dq, n_split, log_parts)
+        else:
+            self._kernel(key)(*args, pre.out, pre.lse, pre.sink, pre.d_sink_rows)
 
     def bwd_finish(self, heads_per_cta, scaled, dkv_acc, inv_grid, dkv):
         from .kernels import finish_args

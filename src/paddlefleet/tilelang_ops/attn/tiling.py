@@ -31,8 +31,6 @@ __all__ = [
     "dkv_columns_permuted",
     "dkv_column",
     "dkv_source_column",
-    "TAIL_SMS",
-    "tail_split",
 ]
 
 #: Largest head tile of one CTA: fp32 dQ ``[64, 576]`` plus dKV ``[32, 576]`` fragments already
@@ -46,9 +44,6 @@ BWD_KEY_BLOCK = 32
 #: ``L`` is padded with ``-1`` to a multiple of this (every key block divides it; the 64-key
 #: kernels would drop a remainder).
 INDEX_PAD = 64
-#: SMs of the GPUs the 64-head backward's last-wave split is planned for (H100 / H200 SXM):
-#: :func:`tail_split`.
-TAIL_SMS = 132
 #: (Dk, Dv) pairs the kernels are built and tested for (absorbed MLA: 512 latent + 64 rope).
 SUPPORTED_DIMS = ((576, 512),)
 
@@ -133,30 +128,6 @@ def bwd_key_block(heads_per_cta: int) -> int:
     ``BK = 32`` keeps the fp32 dKV fragment ``[BK, 576]`` small enough to avoid spills.
     """
     return 64 if heads_per_cta == 16 else BWD_KEY_BLOCK
-
-
-def tail_split(rows: int, planes: int, key_blocks: int) -> tuple[int, int]:
-    """``(n_split, log_parts)``: the rows of each (batch, head group) plane that the 64-head
-    first pass (``sparse_bwd._two_warpgroups``: a CTA per row and plane, one CTA per SM)
-    leaves to a second launch, split into ``2^log_parts`` CTAs each.
-
-    ``rows * planes`` CTAs leave a last wave of ``tail = rows * planes % TAIL_SMS`` CTAs that
-    run nearly alone: at ``ref`` (4096 rows, one plane) 4 CTAs of 32 key blocks, ~0.2 ms of a
-    nearly idle GPU (run 68: 4092 rows took 0.2 ms less than 4096).  So the first launch takes
-    all rows but each plane's ``n_split = ceil(tail / planes)`` last ones (whole waves, or
-    nearly), and the second takes those rows, ``2^log_parts`` CTAs each of consecutive pairs of
-    their ``key_blocks`` (``L / 64``) blocks, at most ``TAIL_SMS`` CTAs in all; their fp32 dQ
-    ``sparse_bwd.split_dq`` adds up in a fixed order.  ``(0, 0)``: no split (no tail, or fewer
-    than two parts would fit).  ``TAIL_SMS`` is a constant, not the device's SM count, so that
-    dq's bits do not depend on the GPU model."""
-    tail = rows * planes % TAIL_SMS
-    n_split = -(-tail // planes)
-    if tail == 0 or n_split > rows:
-        return 0, 0
-    parts = min(TAIL_SMS // (n_split * planes), key_blocks // 2)  # whole pairs of blocks each
-    if parts < 2:
-        return 0, 0
-    return n_split, parts.bit_length() - 1
 
 
 def padded_topk(topk: int) -> int:

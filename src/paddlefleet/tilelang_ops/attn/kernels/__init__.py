@@ -37,7 +37,6 @@ def builders() -> dict:
 
     return {"value_stats": value_stats.value_stats, "fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
             "bwd_main": sparse_bwd.main, "bwd_finish": sparse_bwd.finish,
-            "bwd_split_dq": sparse_bwd.split_dq,
             "grid_rows": exact_grid.grid_rows, "grid_scatter": exact_grid.grid_scatter,
             "grid_keys": exact_grid.grid_keys, "rerun_plan": exact_grid.rerun_plan,
             "rerun_slots": exact_grid.rerun_slots}
@@ -50,10 +49,6 @@ MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, False, None, True)
 #: Head tiles whose atomic first pass can do the preprocess's work in its prologue
 #: (``sparse_bwd._two_warpgroups``, ``fused``): the providers' ``fused_preprocess_tiles``.
 FUSED_TILES = (64,)
-#: Head tiles whose first pass (``with_dq``, ``sparse_bwd._two_warpgroups``) splits the rows of
-#: its last wave (``tiling.tail_split``): three more arguments, ``DQp [NQ, M, Dk] fp32``,
-#: ``n_split``, ``parts``, and ``bwd_split_dq`` adds those rows' dQ after it.
-SPLIT_TILES = (64,)
 
 
 def main_args(heads_per_cta: int, mode: str, with_dq: bool, d_qk: int = D_QK, d_v: int = D_V,
@@ -105,8 +100,6 @@ def specs(heads=HEAD_TILES) -> list:
         if m in FUSED_TILES:  # the atomic first pass with the preprocess fused, per lse format
             for natural in (True, False):
                 out.append(("bwd_main", main_args(m, "atomic", True, fused=True, natural=natural)))
-        if m in SPLIT_TILES:
-            out.append(("bwd_split_dq", (m, D_QK)))
         for scaled in (True, False):
             if ("bwd_finish", finish_args(m, scaled)) not in out:
                 out.append(("bwd_finish", finish_args(m, scaled)))

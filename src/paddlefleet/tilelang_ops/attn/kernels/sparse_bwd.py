@@ -40,12 +40,12 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 from ... import settings
 from ..tiling import dkv_column, dkv_columns_permuted, dkv_source_column
 from .async_copy import load_head_tile
-from .row_blocks import alloc_scratch, row_key_blocks
+from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["preprocess", "main", "finish", "split_dq"]
+__all__ = ["preprocess", "main", "finish"]
 
 LOG2E = 1.4426950408889634
 #: The exact mode's re-run (``main`` with ``with_dq=False``) runs on this many CTAs per (batch,
@@ -203,51 +203,6 @@ def preprocess(d_v: int, natural: bool, block_rows: int = 32, block_d: int = 128
                             DSink[row, H + p] = 0.0
 
     return sparse_bwd_preprocess
-
-
-@tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def split_dq(heads_per_cta: int, d_qk: int, threads: int = 256):
-    """dQ of the rows the 64-head first pass splits (``tiling.tail_split``): ``dQ[b, S - 1 -
-    r, g M : (g + 1) M, :] = bf16(sum over p of DQp[(plane n_split + r) 2^log_parts + p])`` for
-    each (batch, head group) plane ``plane = b G + g``, each of its ``n_split`` last rows
-    (``r``) and its ``2^log_parts`` parts ``p``, added in the order of ``p`` (fixed: repeatable
-    bit for bit).  Arguments: ``DQp [NQ, M, Dk] fp32`` (the split launch's partial dQ, one
-    row per CTA), ``dQ [B, S, H_pad, Dk] bf16``, the scalars ``n_split`` and ``log_parts``.
-    A CTA adds ``4 threads`` consecutive elements of one row's ``[M, Dk]``."""
-    M = heads_per_cta
-    VEC = 4
-    CH = threads * VEC
-    E = M * d_qk
-    assert d_qk % VEC == 0
-    B = T.dynamic("B")
-    S = T.dynamic("S")
-    H_pad = T.dynamic("H_pad")
-    NQ = T.dynamic("NQ")
-
-    @T.prim_func
-    def sparse_bwd_split_dq(
-        DQp: T.Tensor([NQ, M, d_qk], "float32"),
-        dQ: T.Tensor([B, S, H_pad, d_qk], "bfloat16"),
-        n_split: T.int32,
-        log_parts: T.int32,
-    ):
-        with T.Kernel(T.ceildiv(E, CH), n_split, B * (H_pad // M), threads=threads) as (
-                c, r, plane):
-            acc = T.alloc_local([VEC], "float32")
-            tx = T.get_thread_binding()
-            e0 = c * CH + tx * VEC  # a multiple of 4 within one head row (Dk % 4 == 0)
-            if e0 < E:
-                for v in T.vectorized(VEC):
-                    acc[v] = 0
-                for p in T.serial(1 << log_parts):
-                    for v in T.vectorized(VEC):
-                        acc[v] = acc[v] + DQp[((plane * n_split + r) << log_parts) + p,
-                                              e0 // d_qk, e0 % d_qk + v]
-                for v in T.vectorized(VEC):
-                    dQ[plane // (H_pad // M), S - 1 - r, (plane % (H_pad // M)) * M + e0 // d_qk,
-                       e0 % d_qk + v] = T.Cast("bfloat16", acc[v])
-
-    return sparse_bwd_split_dq
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
@@ -695,7 +650,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     L = T.dynamic("L")
     H_pad = T.dynamic("H_pad")
     H = T.dynamic("H")  # fused: the real heads of O, Lse and Sink
-    NQ = T.dynamic("NQ")  # rows of DQp: B G n_split parts (1 when no row is split)
     PC = DH // 4  # fused: the columns of each half one thread multiplies
     VEC = 8  # bf16 per 16-byte load
 
@@ -899,25 +853,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
 
     @T.macro
     def body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
-             BoundExp, O, Lse, Sink, DSink, DQp, row_hi, ctas, log_parts):
-        # the kernel; O, Lse, Sink, DSink: None unless fused.  Per (batch, head group) plane,
-        # ctas / 2^log_parts rows from row_hi down (last row first), each in 2^log_parts CTAs that take
-        # its key blocks in consecutive pairs: with log_parts = 0 one CTA per row writing dQ,
-        # else (the last wave's rows, tiling.tail_split) fp32 partial dQ into DQp, which
-        # split_dq adds up.  Everything from blockIdx and the scalars by shifts: a select or a
-        # division here cost ~50 bytes more of spill (ptxas, CUDA 13.0)
-        with T.Kernel(ctas, B, H_pad // M, threads=2 * WG) as (
-                bx, b_i, g_i):
-            s_i = row_hi - (bx >> log_parts)
-            # part p's blocks [k0, k1) of the row's L // BK: whole pairs (2^log_parts <= L //
-            # 128), the last part to the end; k0 even, so that the barriers' parity k & 1 is
-            # that of the CTA's own count of blocks
-            p_i = bx - ((bx >> log_parts) << log_parts)
-            # (k0 behind a select: as a plain expression TileLang's sync planner asked for a
-            # CTA barrier inside warpgroup 0's branch and failed)
-            k0 = T.if_then_else(log_parts > 0, 2 * ((p_i * (L // (2 * BK))) >> log_parts), 0)
-            k1 = T.if_then_else(p_i + 1 < (1 << log_parts),
-                                2 * (((p_i + 1) * (L // (2 * BK))) >> log_parts), L // BK)
+             BoundExp, O, Lse, Sink, DSink):
+        # the kernel; O, Lse, Sink, DSink: None unless fused
+        with T.Kernel(S, B, H_pad // M, threads=2 * WG) as (bx, b_i, g_i):
+            s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
             Q_t = T.alloc_shared([M, D_tail], dtype)
@@ -978,9 +917,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
 
             tx = T.get_thread_binding()
             h0 = g_i * M
-            if tx < WG and L // BK > 0:  # block k0's keys (always walked), under the tiles' load
-                gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k0, tx)
-                gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, k0, tx)
+            if tx < WG and L // BK > 0:  # block 0's keys (always walked), under the tiles' load
+                gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx)
+                gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx)
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
             load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
@@ -990,10 +929,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 row_key_blocks(Indices, b_i, s_i, tx, 2 * WG, BK, ext_v, ext_last, ext_warps, nb)
             else:
                 nb[0] = L // BK
-            # blocks k0, k0 + 1, ... of the row up to its extent, at least one (past the extent
-            # every slot is -1: block k0 then adds nothing)
-            nb[0] = T.max(k0 + 1, T.min(k1, nb[0]))
-            NB = nb[0]  # the end (computed once: as an expression, k0 and k1 stayed live)
+            NB = nb[0]
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
             if fused:
@@ -1014,7 +950,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 T.fill(acc_dq_l, 0)
                 if not w1_right:
                     T.fill(acc_dq_t, 0)
-                for k in T.serial(k0, NB):
+                for k in T.serial(NB):
                     for h, j in T.Parallel(M, BK):
                         acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                                      -T.infinity(acc_t))
@@ -1066,20 +1002,15 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                                 for i in T.unroll(2):
                                     u_w0[k % 2, slot_row(tx) + 8 * i] = u_l[i]
                             T.barrier_arrive(u_ready[0])
-                if log_parts > 0:
-                    T.copy(acc_dq_l, DQp[(b_i * (H_pad // M) + g_i) * ctas + bx, :, :DH])
-                    if not w1_right:
-                        T.copy(acc_dq_t, DQp[(b_i * (H_pad // M) + g_i) * ctas + bx, :, D:])
-                else:
-                    T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
-                    if not w1_right:
-                        T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+                T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
+                if not w1_right:
+                    T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
             else:
                 t = tx - WG
                 T.fill(acc_dq_r, 0)
                 if w1_right:
                     T.fill(acc_dq_t, 0)
-                for k in T.serial(k0, NB):
+                for k in T.serial(NB):
                     T.barrier_wait(pds_full[0], k & 1)
                     # the keys came by cp.async (generic proxy) and P / dS were fenced by
                     # their writer; both are read by wgmma
@@ -1125,14 +1056,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                             for i in T.unroll(2):
                                 u_l[i] = T.max(u_l[i], u_w0[k % 2, slot_row(t) + 8 * i])
                         add_slot_bound(u_l, slot, Bound, BoundExp, b_i, t)
-                if log_parts > 0:
-                    T.copy(acc_dq_r, DQp[(b_i * (H_pad // M) + g_i) * ctas + bx, :, DH:D])
-                    if w1_right:
-                        T.copy(acc_dq_t, DQp[(b_i * (H_pad // M) + g_i) * ctas + bx, :, D:])
-                else:
-                    T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
-                    if w1_right:
-                        T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+                T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
+                if w1_right:
+                    T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
 
     if not fused:
         @T.prim_func
@@ -1150,13 +1076,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             dKV_acc: T.Tensor([B, S_kv, d_qk], acc_t),
             Bound: T.Tensor([B, S_kv], "int64"),
             BoundExp: T.Tensor([B, S_kv], "int32"),
-            DQp: T.Tensor([NQ, M, d_qk], acc_t),
-            row_hi: T.int32,
-            ctas: T.int32,
-            log_parts: T.int32,
         ):
             body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
-                 BoundExp, None, None, None, None, DQp, row_hi, ctas, log_parts)
+                 BoundExp, None, None, None, None)
 
         return sparse_bwd_two_wg
 
@@ -1179,12 +1101,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         Lse: T.Tensor([B, S, H], acc_t),
         Sink: T.Tensor([H], acc_t),
         DSink: T.Tensor([B, S, H_pad], acc_t),
-        DQp: T.Tensor([NQ, M, d_qk], acc_t),
-        row_hi: T.int32,
-        ctas: T.int32,
-        log_parts: T.int32,
     ):
         body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
-             BoundExp, O, Lse, Sink, DSink, DQp, row_hi, ctas, log_parts)
+             BoundExp, O, Lse, Sink, DSink)
 
     return sparse_bwd_two_wg
