@@ -24,10 +24,10 @@ launch order:
                   ``InvGrid``, whether the key re-runs (``Over``) and on which grid (``InvGrid``
                   scaled by ``2^t``), and its dKV accumulator row cleared if so; ``AnyOver[b]``
                   set when any key of batch ``b`` re-runs.
-``rerun_slots``   one CTA per 8 query rows: the slots whose key re-runs moved to the front of
-                  each row in their order (``Idx2``), ``-1`` after them, and how many
-                  (``Counts``); a row of a batch with no re-run key (``AnyOver[b] = 0``, almost
-                  every call) only gets ``Counts = 0``.
+``rerun_slots``   a warp per query row: the slots whose key re-runs moved to the front of
+                  each row in their order (``Idx2``), ``-1`` after them to the end of their
+                  64-slot block, and how many (``Counts``); a row of a batch with no re-run key
+                  (``AnyOver[b] = 0``, most calls) only gets ``Counts = 0``.
 
 The formulas are those of the framework code they replace (``_exact_dkv``'s docstring, the
 proof in ``docs/conventions.md``); ``tests/helpers.py::CpuStandIn`` has each one in numpy and
@@ -90,12 +90,16 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
     here each (row, head) is read once, 3.4 KB per head (run 63: 0.42 ms at ``fleet`` against
     0.53 for the two launches, 0.23 against 0.29 at ``ref``).  Warp ``w`` of ``NW`` takes heads
     ``w, w + NW, ...`` (128 threads: 91 registers a thread leave room for 5 CTAs, 20 warps, per
-    SM; 256 threads took 0.50 ms at ``fleet``); for a head each lane first issues all its
-    16-byte loads (``O``, ``dO`` and ``q``: independent, ~3.5 KB in flight per warp), then
-    multiplies (``O dO`` in fp32) and squares (``dO`` and ``q``, each bf16 value widened to fp64:
-    exact, no overflow or underflow at any bf16 magnitude); butterflies give the head's three sums to every lane and lane 0 writes the
-    head's values.  The warps' weights and slot counts meet in shared memory and thread 0 adds
-    them in warp order.  Every order is fixed: repeatable bit for bit."""
+    SM; 256 threads took 0.50 ms at ``fleet``), ``heads_per_pass`` of them at a time: each lane
+    first issues all its 16-byte loads of those heads (``O``, ``dO`` and ``q``: independent,
+    ~3.2 KB per head and warp in flight), then per head in turn multiplies (``O dO`` in fp32)
+    and squares (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or
+    underflow at any bf16 magnitude); butterflies give the head's three sums to every lane
+    and lane 0 writes the head's values.  (Two heads per pass, run 68: 424 us against 436 at
+    ``h128``, the same at ``ref`` and ``fleet``, ~4 TB/s, so not limited by the loads in
+    flight; bitwise the same outputs.)  The warps' weights and slot counts meet in shared
+    memory and thread 0 adds them in warp order.  Every order is fixed: repeatable bit for
+    bit."""
     assert d_qk % VEC == 0 and d_v % VEC == 0 and threads % WARP == 0
     NW = threads // WARP
     QV = d_qk // VEC  # 16-byte vectors per head row of q

@@ -274,12 +274,11 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     first ``Counts[b, s]`` slots of each row (the host moves the re-run keys' slots to the front;
     a row with ``Counts = 0`` does nothing), on a fixed grid of :data:`RERUN_CTAS` CTAs per
     (batch, head group): CTA ``x`` loads the ``Counts`` of its rows ``x, x + RERUN_CTAS, ...``
-    together and, only if one is positive, walks them one after another (a call that re-runs no
-    key costs one wave of CTAs that each read a few counts).  It reads ``Indices`` in whole key
-    blocks, the first ``ceil(Counts / BK)`` of a row and none at ``Counts = 0``:
-    ``exact_grid.rerun_slots`` writes
-    ``-1`` past ``Counts`` in the rows it compacts and leaves the rows of batches without a
-    re-run key (``Counts = 0``) unwritten.
+    together into shared memory (256 rows at a time) and, only if one is positive, walks those
+    with a count one after another (a call that re-runs no key costs one wave of CTAs that
+    each read a few counts).  It reads ``Indices`` in whole key blocks, the first ``ceil(Counts
+    / BK)`` of a row and none at ``Counts = 0``: ``exact_grid.rerun_slots`` writes ``-1`` past
+    ``Counts`` to the end of that 64-slot block (``BK`` divides 64) and nothing else.
 
     Schedule knobs (static; defaults measured on H200 at B=1 S=4096 S_kv=8192 H=64 topk=2048,
     docs/performance.md): ``num_stages=1`` issues the next block's KV gather (cp.async) right
