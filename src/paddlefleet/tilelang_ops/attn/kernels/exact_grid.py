@@ -95,7 +95,7 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
     ~3.2 KB per head and warp in flight), then per head in turn multiplies (``O dO`` in fp32)
     and squares (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or
     underflow at any bf16 magnitude); butterflies give the head's three sums to every lane
-    and lane 0 writes the head's values.  (Two heads per pass, run 68: 424 us against 436 at
+    and lane 0 writes the head's values.  (Two heads per pass, run 69: 424 us against 436 at
     ``h128``, the same at ``ref`` and ``fleet``, ~4 TB/s, so not limited by the loads in
     flight; bitwise the same outputs.)  The warps' weights and slot counts meet in shared
     memory and thread 0 adds them in warp order.  Every order is fixed: repeatable bit for
