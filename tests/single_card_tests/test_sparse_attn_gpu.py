@@ -208,6 +208,12 @@ if cuda_available():
                 assert not bool((poisoned & w).any()) and bool(poisoned[~w].all()), (
                     f"idx2[{b}] (any_over {flag}): {int((poisoned & w).sum())} slots it must "
                     f"write not written, {int((~poisoned & ~w).sum())} written past them")
+                # then a key that re-runs where nothing was written: the poison (past S_kv)
+                # would be skipped by the re-run's key checks, this key would add to its dKV
+                # (and fail the tests' accuracy checks) if the re-run read past its blocks
+                keys = torch.nonzero(over[b]).flatten()
+                if keys.numel():
+                    idx2[b][~w] = int(keys[0])
 
 
 def _inputs(case, seed):
@@ -460,10 +466,12 @@ def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
     ``RERUN_CTAS`` owns rows ``x, x + RERUN_CTAS, ...`` and walks those with ``Counts > 0``) on
     the arguments of a forced re-run (every key re-runs, every row has slots in ``idx2``),
     with ``Counts`` kept only in a few rows: a CTA whose busy row is its second or third (its
-    first empty), one with its first and third busy around an empty second, one with a
-    single row, and CTAs with none.  Its accumulator and ``Bound`` equal the sums of one
-    launch per busy row, exactly (the re-run grids keep every sum exact), so it walked each
-    busy row once and no other (every other row's ``idx2`` holds slots it must not add)."""
+    first empty), one with its first and third busy around an empty second, one with its
+    first busy and its second empty, and CTAs with none.  Its accumulator and ``Bound`` equal
+    the sums of one launch per busy row, exactly (the re-run grids keep every sum exact), so
+    it walked each busy row once, with its own count (every other row's ``idx2`` holds slots
+    that a count read for the wrong row would add).  One chunk of 256 rows per CTA only: the
+    walk's later chunks (more than 33,792 rows per batch) are checked by the lowering test."""
     from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import RERUN_CTAS as C
 
     case = dict(B=1, S=300, S_kv=400, H=64, L=96, sink=True)

@@ -99,8 +99,9 @@ class TileLangKernels:
     kernel's order, then its scalar arguments.  ``exact_rerun_plan(bound, bound_exp, inv_grid,
     dkv_acc, over, any_over, ...)`` also sets ``any_over [B] int32`` (zeroed by the caller) to
     1 for each batch with a re-run key; ``exact_rerun_slots(indices, over, any_over, indices2,
-    counts)`` writes ``counts = 0`` and leaves ``indices2`` unwritten in the rows of the other
-    batches (the re-run reads no slot of a row with ``counts = 0``).  The deterministic
+    counts)`` writes ``counts`` whole and ``indices2`` only where the re-run reads it: in each
+    row of a flagged batch, its re-run slots and ``-1`` after them to the end of their
+    ``tiling.INDEX_PAD``-slot block (nothing in a row or batch with ``counts = 0``).  The deterministic
     backward launches no ``bwd_preprocess``: ``exact_grid_rows(natural, q, out, grad_out, lse,
     sink, indices, kv_norm, delta, lse2, d_sink_rows, c_row, kv_coef)`` writes the
     preprocess's three outputs too, in the same pass as the rows' grid weights.  ``bwd_main``
@@ -418,8 +419,9 @@ def _exact_dkv(ops, provider, plan, q, kv, do, idx, lse2, delta, scale, dq, quer
     any_over = ops.zeros((b,), "int32", q)
     provider.exact_rerun_plan(bound, bound_exp, inv_grid, acc, over, any_over,
                               float(s * plan.num_groups), EXACT_BITS, RERUN_COARSE_BITS)
-    # the re-run keys' slots first in each row (stable), -1 after them; a batch with no re-run
-    # key: counts = 0 and idx2 left unwritten (the re-run reads no slot of such a row)
+    # the re-run keys' slots first in each row (stable), -1 after them to the end of their
+    # 64-slot block and nothing past it; a row or batch with no re-run key: counts = 0 and idx2
+    # left unwritten (the re-run reads a row's first ceil(counts / BK) key blocks only)
     idx2 = ops.empty((b, s, l), "int32", idx)
     counts = ops.empty((b, s), "int32", idx)
     provider.exact_rerun_slots(idx, over, any_over, idx2, counts)

@@ -27,7 +27,7 @@ launch order:
 ``rerun_slots``   a warp per query row: the slots whose key re-runs moved to the front of
                   each row in their order (``Idx2``), ``-1`` after them to the end of their
                   64-slot block, and how many (``Counts``); a row of a batch with no re-run key
-                  (``AnyOver[b] = 0``, most calls) only gets ``Counts = 0``.
+                  (``AnyOver[b] = 0``) only gets ``Counts = 0``.
 
 The formulas are those of the framework code they replace (``_exact_dkv``'s docstring, the
 proof in ``docs/conventions.md``); ``tests/helpers.py::CpuStandIn`` has each one in numpy and
@@ -89,14 +89,15 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
     ``dO``, then ``q``) in a launch of their own, with ``|dO|^2`` handed between them in fp64;
     here each (row, head) is read once, 3.4 KB per head (run 63: 0.42 ms at ``fleet`` against
     0.53 for the two launches, 0.23 against 0.29 at ``ref``).  Warp ``w`` of ``NW`` takes heads
-    ``w, w + NW, ...`` (128 threads: 91 registers a thread leave room for 5 CTAs, 20 warps, per
-    SM; 256 threads took 0.50 ms at ``fleet``), ``heads_per_pass`` of them at a time: each lane
+    ``w, w + NW, ...`` (128 threads; one head per pass, 91 registers a thread left room for 5
+    CTAs, 20 warps, per SM, two ~119 registers, 4 CTAs; 256 threads took 0.50 ms at
+    ``fleet``), ``heads_per_pass`` of them at a time: each lane
     first issues all its 16-byte loads of those heads (``O``, ``dO`` and ``q``: independent,
     ~3.2 KB per head and warp in flight), then per head in turn multiplies (``O dO`` in fp32)
     and squares (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or
     underflow at any bf16 magnitude); butterflies give the head's three sums to every lane
     and lane 0 writes the head's values.  (Two heads per pass, run 69: 424 us against 436 at
-    ``h128``, the same at ``ref`` and ``fleet``, ~4 TB/s, so not limited by the loads in
+    ``h128``, the same at ``ref`` and ``fleet``, 3.7-4.0 TB/s, so not limited by the loads in
     flight; bitwise the same outputs.)  The warps' weights and slot counts meet in shared
     memory and thread 0 adds them in warp order.  Every order is fixed: repeatable bit for
     bit."""
@@ -423,10 +424,11 @@ def rerun_slots(threads: int = 256, rounds: int = 8, block: int = INDEX_PAD):
     slots of a pass and their keys' flags first (independent loads), then per round a warp
     ballot gives each flagged slot its place.  (Run 68: with a re-run key, the former kernel,
     a CTA walking 8 rows with two CTA barriers per pass and ``-1`` written over every row's
-    whole tail, took 60 us at ``fleet`` where it finds a single slot.)
+    whole tail, took 60 us at ``fleet`` where it finds two slots.)
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
-    (``AnyOver[b] = 0``, almost every call) reads neither ``Indices`` nor ``Over`` and only gets
+    (``AnyOver[b] = 0``; most of the benchmark's calls re-run one or two keys, run 69) reads
+    neither ``Indices`` nor ``Over`` and only gets
     ``Counts = 0``.  The flag is per batch and a warp owns one row: the whole warp takes the
     same branch (its ballots stay whole)."""
     assert threads % WARP == 0

@@ -38,7 +38,7 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 """
 
 from ... import settings
-from ..tiling import dkv_column, dkv_columns_permuted, dkv_source_column
+from ..tiling import INDEX_PAD, dkv_column, dkv_columns_permuted, dkv_source_column
 from .async_copy import load_head_tile
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
@@ -330,6 +330,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     # column j = 2 (lane % 4) + e, row d = lane / 4, i.e. word 2 (lane % 4) stride + lane / 4,
     # distinct mod 32 for stride = 4 mod 32 (pad 4 keeps the rows 16-byte aligned for float4)
     STAGE_PAD = 4 if dkv_transposed else 8
+    # the re-run reads whole key blocks of Idx2, which rerun_slots writes in INDEX_PAD blocks
+    assert with_dq or INDEX_PAD % BK == 0, "the re-run's key block must divide INDEX_PAD"
     dtype = "bfloat16"
     acc_t = "float32"
     assert D % CW == 0 and CW >= D_tail
@@ -435,13 +437,14 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
             sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
             sc[1] = Scale[0]
             # the re-run (with_dq=False) runs on a fixed grid of RERUN_CTAS CTAs per (batch,
-            # head group), CTA bx owning rows bx, bx + RERUN_CTAS, ...: almost every call re-runs
-            # no key, and one CTA per row (one per SM: its shared memory) made that empty re-run
+            # head group), CTA bx owning rows bx, bx + RERUN_CTAS, ...: almost every row has no
+            # slot to re-run, and one CTA per row (one per SM: its shared memory) made the re-run
             # ~60 waves of CTAs that only read Counts (0.05 ms at fleet, run 64).  The CTA loads
             # the Counts of `threads` of its rows together (a thread per row) into shared memory
             # and walks them one after another only if one of them has a slot (walking them all
             # cost ~0.1 ms, run 63; reading each row's Counts from global memory during the walk
-            # cost ~0.5 us a row, run 68)
+            # cost ~0.5 us a row, inferred from run 68).  (The chunk loop's `c` is not the dKV
+            # chunk loop's below: TileLang renames the inner one.)
             if not with_dq:
                 tx = T.get_thread_binding()
                 busy = T.alloc_local([1], "int32")
@@ -451,15 +454,15 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
                     cnt_s[tx] = 0
                     if c * threads + tx < n_rows:
                         cnt_s[tx] = Counts[b_i, bx + (c * threads + tx) * RERUN_CTAS]
-                    # one barrier that ORs every thread's flag (and publishes cnt_s)
+                    # a barrier that ORs every thread's flag and publishes cnt_s (TileLang's sync
+                    # planner adds a __syncthreads before and after it: harmless)
                     busy[0] = T.call_extern("int32", "__syncthreads_or",
                                             T.if_then_else(cnt_s[tx] > 0, 1, 0))
                 for r in T.serial(1 if with_dq else T.if_then_else(
                         busy[0] != 0, T.min(threads, n_rows - c * threads), 0)):
                     s_i = bx if with_dq else bx + (c * threads + r) * RERUN_CTAS
-                    # the re-run (with_dq=False): a row with no key to re-run (almost every row,
-                    # in almost every call) loads nothing (run 39: the empty re-run's tile loads
-                    # cost 0.16 ms)
+                    # the re-run (with_dq=False): a row with no key to re-run (almost every row)
+                    # loads nothing (run 39: the empty re-run's tile loads cost 0.16 ms)
                     if with_dq or cnt_s[r] > 0:
                         T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
                         T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
