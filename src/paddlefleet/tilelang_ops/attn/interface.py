@@ -101,10 +101,10 @@ class TileLangKernels:
     1 for each batch with a re-run key; ``exact_rerun_slots(indices, over, any_over, indices2,
     counts)`` writes ``counts`` whole and ``indices2`` only where the re-run reads it: in each
     row of a flagged batch, its re-run slots and ``-1`` after them to the end of their
-    ``tiling.INDEX_PAD``-slot block (nothing in a row or batch with ``counts = 0``).  The deterministic
-    backward launches no ``bwd_preprocess``: ``exact_grid_rows(natural, q, out, grad_out, lse,
-    sink, indices, kv_norm, delta, lse2, d_sink_rows, c_row, kv_coef)`` writes the
-    preprocess's three outputs too, in the same pass as the rows' grid weights.  ``bwd_main``
+    ``tiling.INDEX_PAD``-slot block (nothing in a row or batch with ``counts = 0``).  The
+    deterministic backward launches no ``bwd_preprocess``: ``exact_grid_rows(natural, q, out,
+    grad_out, lse, sink, indices, kv_norm, delta, lse2, d_sink_rows, c_row, kv_coef)`` writes
+    the preprocess's three outputs too, in the same pass as the rows' grid weights.  ``bwd_main``
     takes an optional last argument ``pre``, a :class:`FusedPreprocess`, for the head tiles in the
     provider's ``fused_preprocess_tiles`` (here the 64-head tile, whose two-warpgroup kernel
     has the preprocess as a prologue): the atomic backward then launches no

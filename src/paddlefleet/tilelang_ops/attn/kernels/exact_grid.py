@@ -91,9 +91,9 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
     0.53 for the two launches, 0.23 against 0.29 at ``ref``).  Warp ``w`` of ``NW`` takes heads
     ``w, w + NW, ...`` (128 threads; one head per pass, 91 registers a thread left room for 5
     CTAs, 20 warps, per SM, two ~119 registers, 4 CTAs; 256 threads took 0.50 ms at
-    ``fleet``), ``heads_per_pass`` of them at a time: each lane
-    first issues all its 16-byte loads of those heads (``O``, ``dO`` and ``q``: independent,
-    ~3.2 KB per head and warp in flight), then per head in turn multiplies (``O dO`` in fp32)
+    ``fleet``), ``heads_per_pass`` of them at a time: each lane first issues all its 16-byte
+    loads of those heads (``O``, ``dO`` and ``q``: independent, ~3.2 KB per head and warp in
+    flight), then per head in turn multiplies (``O dO`` in fp32)
     and squares (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or
     underflow at any bf16 magnitude); butterflies give the head's three sums to every lane
     and lane 0 writes the head's values.  (Two heads per pass, run 69: 424 us against 436 at
@@ -428,9 +428,8 @@ def rerun_slots(threads: int = 256, rounds: int = 8, block: int = INDEX_PAD):
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
     (``AnyOver[b] = 0``; most of the benchmark's calls re-run one or two keys, run 69) reads
-    neither ``Indices`` nor ``Over`` and only gets
-    ``Counts = 0``.  The flag is per batch and a warp owns one row: the whole warp takes the
-    same branch (its ballots stay whole)."""
+    neither ``Indices`` nor ``Over`` and only gets ``Counts = 0``.  The flag is per batch and
+    a warp owns one row: the whole warp takes the same branch (its ballots stay whole)."""
     assert threads % WARP == 0
     NW = threads // WARP  # rows per CTA
     R = rounds
