@@ -32,12 +32,17 @@ LN2 = 0.6931471805599453
 
 
 @T.macro
-def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2):
+def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
+                 start=None):
     """One key block of the online softmax: raw scores ``acc_s [M, BK]`` become the block's
     weights ``2^((s - m) scale2)``; the running max and sum move on, ``alpha`` is the factor for
-    the output accumulated so far."""
+    the output accumulated so far.  ``start`` (shared ``[M]``, at least ``row_max``): a running
+    max that already covers other blocks (the other warpgroup's, in ``_alternating``)."""
     M, BK = acc_s.shape
     T.copy(row_max, row_max_prev)
+    if start is not None:
+        for h in T.Parallel(M):
+            row_max[h] = start[h]
     T.reduce_max(acc_s, row_max, dim=1, clear=False)
     for h in T.Parallel(M):
         row_max[h] = T.max(row_max[h], row_max_prev[h])
@@ -77,7 +82,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True):
+               row_extent: bool = True, alternate: bool = False):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -88,6 +93,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
         row_extent: (64-head schedule) walk a row only up to its last slot with a key, rows
             last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
+        alternate: (64-head schedule) the two consumer warpgroups take alternate key blocks
+            (:func:`_alternating`) instead of splitting each block's work (a trial knob).
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -98,6 +105,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
+    if warp_specialized and alternate:
+        return _alternating(heads_per_cta, d_qk, d_v, block_k, row_extent)
     if warp_specialized:
         return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent)
     M = heads_per_cta
@@ -433,3 +442,276 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
 
     return sparse_fwd_ws
 
+
+
+def _alternating(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
+                 row_extent: bool = True):
+    """The 64-head forward with the two consumer warpgroups on alternate key blocks (384
+    threads; same arguments and results as :func:`_warp_specialized`).
+
+    Warpgroup 0 takes the even blocks (key buffer 0), warpgroup 1 the odd ones (buffer 1); each
+    keeps half of the output columns of all 64 heads.  Per pair of blocks ``(2i, 2i + 1)``:
+
+    * warpgroup 0: softmax of block ``2i`` against its running max, which it hands to
+      warpgroup 1 through shared memory; ``O_l += P_0 V_0[:, :Dv/2]`` with ``P_0`` from
+      registers (an RS wgmma: no shared-memory read of ``P``); once warpgroup 1's max of the
+      pair is back, ``P_0`` rescaled to it into shared memory (in buffer 0's rope tail, whose
+      scores are done), then ``O_l += P_1 V_1[:, :Dv/2]`` from warpgroup 1's ``P``; then block
+      ``2i + 2``'s score GEMMs;
+    * warpgroup 1: block ``2i + 1``'s scores, its softmax starting from warpgroup 0's max (so the
+      pair's max), ``O_r += P_1 V_1[:, Dv/2:]`` from registers and ``O_r += P_0 V_0[:, Dv/2:]``.
+
+    So each warpgroup's score GEMM (at the shared-memory rate) runs while the other does its
+    softmax and ``P V``, and both do the same tensor work; in :func:`_warp_specialized`
+    warpgroup 0 alone computes every score.  This is the schedule of FlashMLA's SM90 sparse
+    prefill (``csrc/sm90/prefill/sparse/phase1.cuh``), written here in TileLang.  The row sums
+    of the two warpgroups add at the end, in the pair's max (both end with the same max).
+    The producer (warpgroup 2) gathers each buffer in two parts, in the order they come free:
+    buffer 0's left half (free after warpgroup 0's RS), buffer 1's right half and tail (after
+    warpgroup 1's), buffer 0's right half and tail, buffer 1's left half (after the SS ones).
+    """
+    assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
+    M = heads_per_cta
+    D = d_v
+    DH = d_v // 2
+    D_tail = d_qk - d_v
+    BK = block_k
+    # warpgroup 0's P goes through buffer 0's rope tail: [BK, D_tail] must be [M, BK]
+    assert BK == M and D_tail == BK, "the rope tail holds P: Dk - Dv = block_k = 64"
+    dtype = "bfloat16"
+    acc_t = "float32"
+    WG = 128
+    assert M * d_qk // 8 % (3 * WG) == 0
+
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    S_kv = T.dynamic("S_kv")
+    L = T.dynamic("L")
+    H_pad = T.dynamic("H_pad")
+
+    @T.macro
+    def masked_scores(Indices, b_i, s_i, k, acc_s):
+        for h, j in T.Parallel(M, BK):
+            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                         -T.infinity(acc_t))
+
+    @T.prim_func
+    def sparse_fwd_alt(
+        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
+        KV: T.Tensor([B, S_kv, d_qk], dtype),
+        Indices: T.Tensor([B, S, L], "int32"),
+        Sink: T.Tensor([H_pad], acc_t),
+        Scale: T.Tensor([1], acc_t),
+        O: T.Tensor([B, S, H_pad, D], dtype),
+        Lse: T.Tensor([B, S, H_pad], acc_t),
+    ):
+        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (bx, b_i, g_i):
+            s_i = last_row_first(bx, S) if row_extent else bx
+            Q_l = T.alloc_shared([M, DH], dtype)
+            Q_r = T.alloc_shared([M, DH], dtype)
+            Q_tail = T.alloc_shared([M, D_tail], dtype)
+            K_l0 = T.alloc_shared([BK, DH], dtype)
+            K_r0 = T.alloc_shared([BK, DH], dtype)
+            K_t0 = T.alloc_shared([BK, D_tail], dtype)
+            K_l1 = T.alloc_shared([BK, DH], dtype)
+            K_r1 = T.alloc_shared([BK, DH], dtype)
+            K_t1 = T.alloc_shared([BK, D_tail], dtype)
+            P_1 = T.alloc_shared([M, BK], dtype)
+            P_0 = K_t0  # written once warpgroup 0's scores of the block are done
+            m_shared = T.alloc_shared([M], acc_t)  # the running max, handed back and forth
+            sum_shared = T.alloc_shared([M], acc_t)
+            alpha_shared = T.alloc_shared([M], acc_t)
+            O_l = Q_l
+            O_r = Q_r
+
+            q_ready = T.alloc_barrier(arrive_count=3 * WG)
+            ready_l0 = T.alloc_barrier(arrive_count=WG)
+            ready_rt0 = T.alloc_barrier(arrive_count=WG)
+            ready_l1 = T.alloc_barrier(arrive_count=WG)
+            ready_rt1 = T.alloc_barrier(arrive_count=WG)
+            free_l0 = T.alloc_barrier(arrive_count=WG)  # warpgroup 0's RS
+            free_rt0 = T.alloc_barrier(arrive_count=WG)  # warpgroup 1's SS (reads P_0 too)
+            free_l1 = T.alloc_barrier(arrive_count=WG)  # warpgroup 0's SS
+            free_rt1 = T.alloc_barrier(arrive_count=WG)  # warpgroup 1's RS
+            m0_ready = T.alloc_barrier(arrive_count=WG)
+            m1_ready = T.alloc_barrier(arrive_count=WG)
+            p0_ready = T.alloc_barrier(arrive_count=WG)
+            p1_ready = T.alloc_barrier(arrive_count=WG)
+            sum_ready = T.alloc_barrier(arrive_count=WG)
+            fin_ready = T.alloc_barrier(arrive_count=WG)
+
+            acc_s0 = T.alloc_fragment([M, BK], acc_t)
+            acc_s1 = T.alloc_fragment([M, BK], acc_t)
+            p_0 = T.alloc_fragment([M, BK], dtype)
+            p_1 = T.alloc_fragment([M, BK], dtype)
+            acc_o0 = T.alloc_fragment([M, DH], acc_t)
+            acc_o1 = T.alloc_fragment([M, DH], acc_t)
+            row_max = T.alloc_fragment([M], acc_t)
+            row_max_prev = T.alloc_fragment([M], acc_t)
+            row_sum = T.alloc_fragment([M], acc_t)
+            blk_sum = T.alloc_fragment([M], acc_t)
+            alpha = T.alloc_fragment([M], acc_t)
+            m_shift = T.alloc_fragment([M], acc_t)
+            lse_frag = T.alloc_fragment([M], acc_t)
+            row_max1 = T.alloc_fragment([M], acc_t)
+            row_max_prev1 = T.alloc_fragment([M], acc_t)
+            row_sum1 = T.alloc_fragment([M], acc_t)
+            blk_sum1 = T.alloc_fragment([M], acc_t)
+            alpha1 = T.alloc_fragment([M], acc_t)
+            m_shift1 = T.alloc_fragment([M], acc_t)
+            scale2 = T.alloc_local([1], acc_t)
+            ext_v, ext_last, ext_warps, nb = alloc_scratch(3 * WG)
+
+            tx = T.get_thread_binding()
+            h0 = g_i * M
+            load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
+            T.cp_async_barrier_noinc(q_ready[0])
+            if row_extent:
+                row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
+            else:
+                nb[0] = L // BK
+            NB = nb[0]
+            T.barrier_wait(q_ready[0], 0)
+            T.fence_proxy_async()
+
+            if tx < WG:
+                T.set_max_nreg(216, 1)
+                scale2[0] = Scale[0] * LOG2E
+                T.fill(acc_o0, 0)
+                T.fill(row_sum, 0)
+                T.fill(row_max, -T.infinity(acc_t))
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    masked_scores(Indices, b_i, s_i, 2 * i, acc_s0)
+                    T.barrier_wait(ready_l0[0], i & 1)
+                    T.fence_proxy_async()
+                    if i > 0:
+                        # the last pair's O_l += P_1 V_1, issued here and not at the end of
+                        # that pair: a wgmma in flight across the loop's back edge made ptxas
+                        # serialise every wgmma of the kernel (C7514)
+                        T.wgmma_gemm(P_1, K_l1, acc_o0)
+                        T.wgmma_gemm(Q_l, K_l0, acc_s0, transpose_B=True)
+                        T.wait_wgmma(1)  # P_1 V_1 done: buffer 1's left half is free
+                        T.barrier_arrive(free_l1[0])
+                    else:
+                        T.wgmma_gemm(Q_l, K_l0, acc_s0, transpose_B=True)
+                    T.barrier_wait(ready_rt0[0], i & 1)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(Q_r, K_r0, acc_s0, transpose_B=True)
+                    T.wgmma_gemm(Q_tail, K_t0, acc_s0, transpose_B=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_s0, num_regs=M * BK // WG)
+                    softmax_step(acc_s0, row_max, row_max_prev, row_sum, blk_sum, alpha,
+                                 m_shift, scale2)
+                    for h in T.Parallel(M):
+                        m_shared[h] = row_max[h]
+                    T.barrier_arrive(m0_ready[0])
+                    for h, d in T.Parallel(M, DH):
+                        acc_o0[h, d] = acc_o0[h, d] * alpha[h]
+                    T.copy(acc_s0, p_0)
+                    T.wgmma_gemm(p_0, K_l0, acc_o0)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_o0, num_regs=M * DH // WG)
+                    T.barrier_arrive(free_l0[0])
+                    # the pair's max from warpgroup 1: P_0 and what is summed so far move to it
+                    T.barrier_wait(m1_ready[0], i & 1)
+                    for h in T.Parallel(M):
+                        m_shift[h] = T.if_then_else(m_shared[h] == -T.infinity(acc_t), 0.0,
+                                                    m_shared[h])
+                        alpha[h] = T.exp2((row_max[h] - m_shift[h]) * scale2[0])
+                        row_max[h] = m_shared[h]
+                        row_sum[h] = row_sum[h] * alpha[h]
+                    for h, j in T.Parallel(M, BK):
+                        acc_s0[h, j] = acc_s0[h, j] * alpha[h]
+                    T.copy(acc_s0, P_0)
+                    T.fence_proxy_async()  # P_0 is read by warpgroup 1's wgmma
+                    T.barrier_arrive(p0_ready[0])
+                    for h, d in T.Parallel(M, DH):
+                        acc_o0[h, d] = acc_o0[h, d] * alpha[h]
+                    if 2 * i + 1 < NB:
+                        T.barrier_wait(p1_ready[0], i & 1)
+                if NB % 2 == 0:  # the last pair's P_1 V_1
+                    T.wgmma_gemm(P_1, K_l1, acc_o0)
+                    T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc_o0, num_regs=M * DH // WG)
+                # both warpgroups' sums are in the same (the last pair's) max
+                T.barrier_wait(sum_ready[0], 0)
+                for h in T.Parallel(M):
+                    row_sum[h] = row_sum[h] + sum_shared[h]
+                fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
+                T.barrier_arrive(fin_ready[0])
+                for h, d in T.Parallel(M, DH):
+                    acc_o0[h, d] = acc_o0[h, d] * alpha[h]
+                T.copy(acc_o0, O_l)
+                T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
+                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
+            elif tx < 2 * WG:
+                T.set_max_nreg(216, 1)
+                T.fill(acc_o1, 0)
+                T.fill(row_sum1, 0)
+                T.fill(row_max1, -T.infinity(acc_t))
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    if 2 * i + 1 < NB:
+                        masked_scores(Indices, b_i, s_i, 2 * i + 1, acc_s1)
+                        T.barrier_wait(ready_rt1[0], i & 1)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(Q_r, K_r1, acc_s1, transpose_B=True)
+                        T.wgmma_gemm(Q_tail, K_t1, acc_s1, transpose_B=True)
+                        T.barrier_wait(ready_l1[0], i & 1)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(Q_l, K_l1, acc_s1, transpose_B=True)
+                        T.wait_wgmma(0)
+                    else:
+                        # an odd count: no block 2i + 1, its weights all 0
+                        T.fill(acc_s1, -T.infinity(acc_t))
+                    T.warpgroup_fence_operand(acc_s1, num_regs=M * BK // WG)
+                    T.barrier_wait(m0_ready[0], i & 1)
+                    softmax_step(acc_s1, row_max1, row_max_prev1, row_sum1, blk_sum1, alpha1,
+                                 m_shift1, scale2, start=m_shared)
+                    for h in T.Parallel(M):
+                        m_shared[h] = row_max1[h]
+                    T.barrier_arrive(m1_ready[0])
+                    for h, d in T.Parallel(M, DH):
+                        acc_o1[h, d] = acc_o1[h, d] * alpha1[h]
+                    if 2 * i + 1 < NB:
+                        T.copy(acc_s1, p_1)
+                        T.wgmma_gemm(p_1, K_r1, acc_o1)
+                        T.copy(p_1, P_1)  # the RS reads p_1 too: reading it is safe
+                        T.fence_proxy_async()  # P_1 is read by warpgroup 0's wgmma
+                        T.barrier_arrive(p1_ready[0])
+                    T.barrier_wait(p0_ready[0], i & 1)
+                    T.wgmma_gemm(P_0, K_r0, acc_o1)
+                    if 2 * i + 1 < NB:
+                        T.wait_wgmma(1)
+                        T.barrier_arrive(free_rt1[0])
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_o1, num_regs=M * DH // WG)
+                    T.barrier_arrive(free_rt0[0])
+                for h in T.Parallel(M):
+                    sum_shared[h] = row_sum1[h]
+                T.barrier_arrive(sum_ready[0])
+                T.barrier_wait(fin_ready[0], 0)
+                for h, d in T.Parallel(M, DH):
+                    acc_o1[h, d] = acc_o1[h, d] * alpha_shared[h]
+                T.copy(acc_o1, O_r)
+                T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
+            else:
+                T.set_max_nreg(72, 0)
+                t = tx - 2 * WG
+                for i in T.serial(T.ceildiv(NB, 2)):
+                    par = i & 1
+                    T.barrier_wait(free_l0[0], par ^ 1)
+                    gather_key_block(KV, Indices, K_l0, None, None, b_i, s_i, 2 * i, t)
+                    T.cp_async_barrier_noinc(ready_l0[0])
+                    if 2 * i + 1 < NB:
+                        T.barrier_wait(free_rt1[0], par ^ 1)
+                        gather_key_block(KV, Indices, None, K_r1, K_t1, b_i, s_i, 2 * i + 1, t)
+                        T.cp_async_barrier_noinc(ready_rt1[0])
+                    T.barrier_wait(free_rt0[0], par ^ 1)
+                    gather_key_block(KV, Indices, None, K_r0, K_t0, b_i, s_i, 2 * i, t)
+                    T.cp_async_barrier_noinc(ready_rt0[0])
+                    if 2 * i + 1 < NB:
+                        T.barrier_wait(free_l1[0], par ^ 1)
+                        gather_key_block(KV, Indices, K_l1, None, None, b_i, s_i, 2 * i + 1, t)
+                        T.cp_async_barrier_noinc(ready_l1[0])
+
+    return sparse_fwd_alt
