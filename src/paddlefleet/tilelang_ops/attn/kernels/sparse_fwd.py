@@ -574,9 +574,9 @@ def _alternating(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
 
+            scale2[0] = Scale[0] * LOG2E  # both consumers compute weights
             if tx < WG:
                 T.set_max_nreg(216, 1)
-                scale2[0] = Scale[0] * LOG2E
                 T.fill(acc_o0, 0)
                 T.fill(row_sum, 0)
                 T.fill(row_max, -T.infinity(acc_t))
