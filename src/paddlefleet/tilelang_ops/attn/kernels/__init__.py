@@ -35,7 +35,8 @@ def builders() -> dict:
     """``{name: TileLang jit function}`` of every kernel."""
     from . import exact_grid, sparse_bwd, sparse_fwd, value_stats
 
-    return {"value_stats": value_stats.value_stats, "fwd": sparse_fwd.sparse_fwd, "bwd_pre": sparse_bwd.preprocess,
+    return {"value_stats": value_stats.value_stats, "fwd": sparse_fwd.sparse_fwd,
+            "bwd_pre": sparse_bwd.preprocess,
             "bwd_main": sparse_bwd.main, "bwd_finish": sparse_bwd.finish,
             "grid_rows": exact_grid.grid_rows, "grid_scatter": exact_grid.grid_scatter,
             "grid_keys": exact_grid.grid_keys, "rerun_plan": exact_grid.rerun_plan,

@@ -12,7 +12,7 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["load_head_tile", "gather_key_block"]
+__all__ = ["load_head_tile", "gather_key_block", "load_key_rows"]
 
 
 @T.macro
@@ -47,28 +47,49 @@ def load_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, tx, nthreads):
 
 
 @T.macro
-def gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t):
+def copy_key_row(KV, row, j, K_l, K_r, K_t, b_i, t):
+    """Thread ``t``'s 16-byte pieces of latent row ``row`` into row ``j`` of the buffers of
+    :func:`gather_key_block` (8 threads per row)."""
+    DH = K_l.shape[1] if K_l is not None else K_r.shape[1]
+    for u in T.serial(DH // 64):
+        if K_l is not None:
+            T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
+                           T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
+        if K_r is not None:
+            T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
+                           T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
+    if K_t is not None:
+        D_tail = K_t.shape[1]
+        for u in T.serial(-(-D_tail // 64)):
+            if (t % 8) * 8 + 64 * u < D_tail:
+                T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
+                               T.access_ptr(KV[b_i, row, 2 * DH + 64 * u + (t % 8) * 8],
+                                            "r", 8), 8)
+
+
+@T.macro
+def gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t, rows=None):
     """Key block ``k`` (``BK`` slots of row ``s_i``) of the latent rows into ``K_l`` / ``K_r``
     (the two halves of the first ``2 DH`` columns) and ``K_t`` (the rope tail), by 128 threads
     (``t`` in ``[0, 128)``, 8 per row).  ``K_l`` may be ``None`` (only the right half and the
     tail), or ``K_r`` and ``K_t`` (only the left half): a caller that frees the two parts at
     different times gathers them separately.  A ``-1`` slot copies row 0 (a clamped address,
-    never the index itself); the kernels mask its score to ``-inf``."""
-    BK, DH = K_l.shape if K_l is not None else K_r.shape
-    for r in T.serial(BK // 16):
-        j = r * 16 + t // 8
-        row = T.max(Indices[b_i, s_i, k * BK + j], 0)
-        for u in T.serial(DH // 64):
-            if K_l is not None:
-                T.ptx_cp_async(T.access_ptr(K_l[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, 64 * u + (t % 8) * 8], "r", 8), 8)
-            if K_r is not None:
-                T.ptx_cp_async(T.access_ptr(K_r[j, 64 * u + (t % 8) * 8], "w", 8),
-                               T.access_ptr(KV[b_i, row, DH + 64 * u + (t % 8) * 8], "r", 8), 8)
-        if K_t is not None:
-            D_tail = K_t.shape[1]
-            for u in T.serial(-(-D_tail // 64)):
-                if (t % 8) * 8 + 64 * u < D_tail:
-                    T.ptx_cp_async(T.access_ptr(K_t[j, 64 * u + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[b_i, row, 2 * DH + 64 * u + (t % 8) * 8],
-                                                "r", 8), 8)
+    never the index itself); the kernels mask its score to ``-inf``.  ``rows``: the block's
+    clamped rows from :func:`load_key_rows` (then ``Indices`` is not read here)."""
+    BK = K_l.shape[0] if K_l is not None else K_r.shape[0]
+    if rows is None:
+        for r in T.serial(BK // 16):
+            copy_key_row(KV, T.max(Indices[b_i, s_i, k * BK + r * 16 + t // 8], 0),
+                         r * 16 + t // 8, K_l, K_r, K_t, b_i, t)
+    else:
+        for r in T.unroll(BK // 16):
+            copy_key_row(KV, rows[r], r * 16 + t // 8, K_l, K_r, K_t, b_i, t)
+
+
+@T.macro
+def load_key_rows(Indices, b_i, s_i, k, t, rows):
+    """The clamped latent rows ``max(Indices[b_i, s_i, k BK + j], 0)`` that thread ``t`` of
+    :func:`gather_key_block` copies (``rows [BK / 16]`` int32, local), all loads in flight at
+    once: a caller that gathers a block in parts loads its indices once, early."""
+    for r in T.unroll(rows.shape[0]):
+        rows[r] = T.max(Indices[b_i, s_i, k * rows.shape[0] * 16 + r * 16 + t // 8], 0)

@@ -19,7 +19,7 @@ from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PA
 
 
 from ... import settings
-from .async_copy import gather_key_block, load_head_tile
+from .async_copy import gather_key_block, load_head_tile, load_key_rows
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
@@ -37,7 +37,7 @@ def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
     """One key block of the online softmax: raw scores ``acc_s [M, BK]`` become the block's
     weights ``2^((s - m) scale2)``; the running max and sum move on, ``alpha`` is the factor for
     the output accumulated so far.  ``start`` (shared ``[M]``, at least ``row_max``): a running
-    max that already covers other blocks (the other warpgroup's, in ``_alternating``)."""
+    max that already covers other blocks (the other warpgroup's, in ``_warp_specialized``)."""
     M, BK = acc_s.shape
     T.copy(row_max, row_max_prev)
     if start is not None:
@@ -82,7 +82,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True, alternate: bool = False):
+               row_extent: bool = True):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -93,8 +93,6 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
         row_extent: (64-head schedule) walk a row only up to its last slot with a key, rows
             last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
-        alternate: (64-head schedule) the two consumer warpgroups take alternate key blocks
-            (:func:`_alternating`) instead of splitting each block's work (a trial knob).
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -105,8 +103,6 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
-    if warp_specialized and alternate:
-        return _alternating(heads_per_cta, d_qk, d_v, block_k, row_extent)
     if warp_specialized:
         return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent)
     M = heads_per_cta
@@ -200,275 +196,42 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                       row_extent: bool = True):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
-    * warpgroup 2, the producer: gathers key block ``k`` into buffer ``k % 2`` with 16-byte
-      ``cp.async`` (a ``-1`` slot copies row 0, masked below), in two parts with their own
-      mbarriers: the right half of the latent columns and the rope tail as soon as block
-      ``k - 2``'s scores and right ``P V`` are done with them, the left half once warpgroup 0's
-      ``P V`` of block ``k - 2`` is;
-    * warpgroup 0: scores ``Q K^T`` of the 64 heads, the online softmax (as in the plain
-      kernel), ``P`` and the rescale factor into shared memory, and the left half of the output
-      columns, ``O[:, :Dv/2] += P V[:, :Dv/2]``; at the end the sink fold and ``Lse``;
-    * warpgroup 1: the right half of the output columns from the same ``P``.
+    Warpgroups 0 and 1, the consumers, take alternate key blocks: warpgroup 0 the even ones (key
+    buffer 0), warpgroup 1 the odd ones (buffer 1); each keeps half of the output columns of
+    all 64 heads (``O_l`` / ``O_r``).  Per pair of blocks ``(2i, 2i + 1)``:
 
-    Warpgroup 0 issues block ``k - 1``'s ``P V`` right after block ``k``'s score GEMMs and waits
-    for it only after block ``k``'s softmax (the order FlashAttention-3 calls intra-warpgroup
-    overlap), so the softmax runs under the tensor cores instead of between them (run 43: ref
-    2.40 -> 2.12 ms, h128 4.99 -> 4.21, fleet 2.00 -> 1.83; outputs bitwise equal: the same
-    operations on the same values in the same order).  That keeps the left half of a key
-    buffer busy one step longer than the rest, hence the producer's two parts.
+    * warpgroup 0: block ``2i``'s scores ``Q K^T`` and its softmax against its running max,
+      which it hands to warpgroup 1 through shared memory; ``O_l += P_0 V_0[:, :Dv/2]`` with
+      ``P_0`` from registers (an RS wgmma: no shared-memory read of ``P``); once warpgroup 1's
+      max of the pair is back, ``P_0`` rescaled to it into shared memory (buffer 0's rope tail,
+      whose scores are done), and ``O_l += P_1 V_1[:, :Dv/2]`` from warpgroup 1's ``P`` (issued
+      with the next pair's scores);
+    * warpgroup 1: block ``2i + 1``'s scores, its softmax starting from warpgroup 0's max (so
+      the pair's max), ``O_r += P_1 V_1[:, Dv/2:]`` from registers and ``O_r += P_0
+      V_0[:, Dv/2:]``;
+    * warpgroup 2, the producer: gathers each block with 16-byte ``cp.async`` (a ``-1`` slot
+      copies row 0 and is masked), its rows' indices loaded once per block and ahead of the
+      waits, in two parts per buffer in the order they come free: buffer 0's left half (after
+      warpgroup 0's RS), buffer 1's right half and tail (after warpgroup 1's RS), buffer 0's
+      right half and tail, buffer 1's left half (after the SS ones).
 
-    One ``P`` buffer, handed over and back with two mbarriers; the key blocks alternate between
-    two buffers (the loop takes them in pairs, so each buffer's index is static).  Why the split:
-    with every warp doing gather, GEMMs and softmax in turn the plain kernel reaches ~300
-    TFLOP/s; with the work split this way ~470 (run 24, docs/performance.md).  The query tile is
-    loaded with 16-byte ``cp.async`` by all 384 threads before the split; the three score GEMMs
-    share one wait (run 24: -3 to -6%).
-    Registers (``setmaxnreg``, 256 + 168 + 80 = 3 x 168): warpgroup 0 256 per thread (with 240
-    ptxas spilled 52 bytes), warpgroup 1 168, the producer 80.
+    Each consumer's score GEMM (at the shared-memory rate) runs while the other does its
+    softmax and ``P V``, and both do the same tensor work.  This is the schedule of FlashMLA's
+    SM90 sparse prefill (``csrc/sm90/prefill/sparse/phase1.cuh``), written here in TileLang; it
+    replaced (sixteenth session, runs 75-76 of docs/validation.md) a split by output columns
+    in which warpgroup 0 computed every score and softmax and warpgroup 1 only the right ``P
+    V``, with the softmax under warpgroup 0's own left ``P V`` (run 43): per block, its score
+    GEMM and softmax stood in a chain.  The row sums of the two consumers add at the end, in
+    the last pair's max (both end with it); the sink is folded in as in :func:`sparse_fwd`.
 
-    With ``row_extent`` every role walks the row's blocks only up to the one holding its last
-    slot with a key (the blocks after it add nothing: outputs bitwise equal), counted by every
-    warp under the query tile's load, and the rows go last-first (``row_blocks``).
-    """
-    assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
-    M = heads_per_cta
-    D = d_v
-    DH = d_v // 2
-    D_tail = d_qk - d_v
-    assert D_tail % 8 == 0 and DH % 64 == 0
-    BK = block_k
-    assert BK % 16 == 0
-    dtype = "bfloat16"
-    acc_t = "float32"
-    WG = 128
-    Q_CHUNKS = M * d_qk // 8  # 16-byte pieces of the query tile
-    assert Q_CHUNKS % (3 * WG) == 0
-
-    B = T.dynamic("B")
-    S = T.dynamic("S")
-    S_kv = T.dynamic("S_kv")
-    L = T.dynamic("L")
-    H_pad = T.dynamic("H_pad")
-
-    @T.macro
-    def scores_and_left(Q_l, Q_r, Q_tail, K_l, K_r, K_tail, K_l_prev, ready_l, ready_rt,
-                        free_rt, free_l_prev, p_ready, p_free, Indices, b_i, s_i, k, parity,
-                        acc_s, acc_o_l, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                        alpha_shared, P_shared, scale2):
-        # warpgroup 0, block k: its scores and (k > 0) block k - 1's left P V in flight
-        # together, block k's softmax under the latter
-        T.barrier_wait(ready_rt[0], parity)
-        T.barrier_wait(ready_l[0], parity)
-        # the producer's cp.async wrote the keys through the generic proxy; wgmma reads them
-        # through the async proxy
-        T.fence_proxy_async()
-        for h, j in T.Parallel(M, BK):
-            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
-                                         -T.infinity(acc_t))
-        T.wgmma_gemm(Q_l, K_l, acc_s, transpose_B=True)
-        T.wgmma_gemm(Q_r, K_r, acc_s, transpose_B=True)
-        T.wgmma_gemm(Q_tail, K_tail, acc_s, transpose_B=True)
-        if k > 0:
-            T.wgmma_gemm(P_shared, K_l_prev, acc_o_l)
-            T.wait_wgmma(1)  # the three score groups; block k - 1's P V may still run
-        else:
-            T.wait_wgmma(0)
-        T.warpgroup_fence_operand(acc_s, num_regs=M * BK // WG)
-        T.barrier_arrive(free_rt[0])  # done with this block's right half and tail
-        softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2)
-        T.wait_wgmma(0)  # block k - 1's P V: P_shared and its left half are free
-        T.warpgroup_fence_operand(acc_o_l, num_regs=M * DH // WG)
-        if k > 0:
-            T.barrier_arrive(free_l_prev[0])
-        # warpgroup 1 must be done with block k - 1's P and rescale factor
-        T.barrier_wait(p_free[0], (k & 1) ^ 1)
-        for h in T.Parallel(M):
-            alpha_shared[h] = alpha[h]
-        T.copy(acc_s, P_shared)
-        T.fence_proxy_async()  # P is read by wgmma (both warpgroups)
-        T.barrier_arrive(p_ready[0])
-        # after block k - 1's P V, before block k's (issued with block k + 1's scores)
-        for h, d in T.Parallel(M, DH):
-            acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-
-    @T.macro
-    def right(K_r, free_rt, p_ready, p_free, k, acc_o_r, alpha_shared, P_shared):
-        T.barrier_wait(p_ready[0], k & 1)
-        T.fence_proxy_async()  # the keys, as in scores_and_left (P is fenced by its writer)
-        for h, d in T.Parallel(M, DH):
-            acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-        T.gemm(P_shared, K_r, acc_o_r)
-        T.barrier_arrive(p_free[0])
-        T.barrier_arrive(free_rt[0])
-
-    @T.macro
-    def gather(KV, Indices, K_l, K_r, K_tail, ready_l, ready_rt, free_l, free_rt, b_i, s_i, k,
-               parity, t):
-        # this buffer's previous use was block k - 2: its right half and tail are free once
-        # both consumers are done with them, its left half once warpgroup 0's P V is
-        T.barrier_wait(free_rt[0], parity ^ 1)
-        gather_key_block(KV, Indices, None, K_r, K_tail, b_i, s_i, k, t)
-        T.cp_async_barrier_noinc(ready_rt[0])
-        T.barrier_wait(free_l[0], parity ^ 1)
-        gather_key_block(KV, Indices, K_l, None, None, b_i, s_i, k, t)
-        T.cp_async_barrier_noinc(ready_l[0])
-
-    @T.prim_func
-    def sparse_fwd_ws(
-        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
-        KV: T.Tensor([B, S_kv, d_qk], dtype),
-        Indices: T.Tensor([B, S, L], "int32"),
-        Sink: T.Tensor([H_pad], acc_t),
-        Scale: T.Tensor([1], acc_t),
-        O: T.Tensor([B, S, H_pad, D], dtype),
-        Lse: T.Tensor([B, S, H_pad], acc_t),
-    ):
-        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (bx, b_i, g_i):
-            s_i = last_row_first(bx, S) if row_extent else bx
-            Q_l = T.alloc_shared([M, DH], dtype)
-            Q_r = T.alloc_shared([M, DH], dtype)
-            Q_tail = T.alloc_shared([M, D_tail], dtype)
-            K_l0 = T.alloc_shared([BK, DH], dtype)
-            K_r0 = T.alloc_shared([BK, DH], dtype)
-            K_t0 = T.alloc_shared([BK, D_tail], dtype)
-            K_l1 = T.alloc_shared([BK, DH], dtype)
-            K_r1 = T.alloc_shared([BK, DH], dtype)
-            K_t1 = T.alloc_shared([BK, D_tail], dtype)
-            P_shared = T.alloc_shared([M, BK], dtype)
-            alpha_shared = T.alloc_shared([M], acc_t)
-            # the output goes out through the query's buffers (free by then)
-            O_l = Q_l
-            O_r = Q_r
-
-            q_ready = T.alloc_barrier(arrive_count=3 * WG)
-            # per key buffer: its right half and tail (read by both consumers), its left half
-            # (read by warpgroup 0 only)
-            ready_rt0 = T.alloc_barrier(arrive_count=WG)
-            ready_rt1 = T.alloc_barrier(arrive_count=WG)
-            free_rt0 = T.alloc_barrier(arrive_count=2 * WG)
-            free_rt1 = T.alloc_barrier(arrive_count=2 * WG)
-            ready_l0 = T.alloc_barrier(arrive_count=WG)
-            ready_l1 = T.alloc_barrier(arrive_count=WG)
-            free_l0 = T.alloc_barrier(arrive_count=WG)
-            free_l1 = T.alloc_barrier(arrive_count=WG)
-            p_ready = T.alloc_barrier(arrive_count=WG)
-            p_free = T.alloc_barrier(arrive_count=WG)
-            fin_ready = T.alloc_barrier(arrive_count=WG)
-
-            acc_s = T.alloc_fragment([M, BK], acc_t)
-            acc_o_l = T.alloc_fragment([M, DH], acc_t)
-            acc_o_r = T.alloc_fragment([M, DH], acc_t)
-            row_max = T.alloc_fragment([M], acc_t)
-            row_max_prev = T.alloc_fragment([M], acc_t)
-            row_sum = T.alloc_fragment([M], acc_t)
-            blk_sum = T.alloc_fragment([M], acc_t)
-            alpha = T.alloc_fragment([M], acc_t)
-            m_shift = T.alloc_fragment([M], acc_t)
-            lse_frag = T.alloc_fragment([M], acc_t)
-            scale2 = T.alloc_local([1], acc_t)
-            ext_v, ext_last, ext_warps, nb = alloc_scratch(3 * WG)
-
-            tx = T.get_thread_binding()
-            h0 = g_i * M
-            # 16-byte cp.async, all in flight at once: a T.copy by 384 threads (which do not
-            # divide the tile) lowered to 97 two-byte loads per thread, ~65 us per CTA (run 24)
-            load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
-            T.cp_async_barrier_noinc(q_ready[0])
-            if row_extent:
-                row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
-            else:
-                nb[0] = L // BK
-            NB = nb[0]
-            T.barrier_wait(q_ready[0], 0)
-            # written through the generic proxy, read by wgmma (the async proxy)
-            T.fence_proxy_async()
-
-            if tx < WG:
-                T.set_max_nreg(256, 1)
-                scale2[0] = Scale[0] * LOG2E
-                T.fill(acc_o_l, 0)
-                T.fill(row_sum, 0)
-                T.fill(row_max, -T.infinity(acc_t))
-                for i in T.serial(T.ceildiv(NB, 2)):
-                    scores_and_left(Q_l, Q_r, Q_tail, K_l0, K_r0, K_t0, K_l1, ready_l0,
-                                    ready_rt0, free_rt0, free_l1, p_ready, p_free, Indices, b_i,
-                                    s_i, 2 * i, i & 1, acc_s, acc_o_l, row_max, row_max_prev,
-                                    row_sum, blk_sum, alpha, m_shift, alpha_shared, P_shared,
-                                    scale2)
-                    if 2 * i + 1 < NB:
-                        scores_and_left(Q_l, Q_r, Q_tail, K_l1, K_r1, K_t1, K_l0, ready_l1,
-                                        ready_rt1, free_rt1, free_l0, p_ready, p_free, Indices,
-                                        b_i, s_i, 2 * i + 1, i & 1, acc_s, acc_o_l, row_max,
-                                        row_max_prev, row_sum, blk_sum, alpha, m_shift,
-                                        alpha_shared, P_shared, scale2)
-                # the last block's P V (its buffer by the parity of NB)
-                if NB > 0:
-                    if NB % 2 == 1:
-                        T.gemm(P_shared, K_l0, acc_o_l)
-                    else:
-                        T.gemm(P_shared, K_l1, acc_o_l)
-                # the sink fold of sparse_fwd, then the final factor for warpgroup 1
-                T.barrier_wait(p_free[0], (NB & 1) ^ 1)
-                fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
-                T.barrier_arrive(fin_ready[0])
-                for h, d in T.Parallel(M, DH):
-                    acc_o_l[h, d] = acc_o_l[h, d] * alpha[h]
-                T.copy(acc_o_l, O_l)
-                T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
-                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
-            elif tx < 2 * WG:
-                T.set_max_nreg(168, 1)
-                T.fill(acc_o_r, 0)
-                for i in T.serial(T.ceildiv(NB, 2)):
-                    right(K_r0, free_rt0, p_ready, p_free, 2 * i, acc_o_r, alpha_shared,
-                          P_shared)
-                    if 2 * i + 1 < NB:
-                        right(K_r1, free_rt1, p_ready, p_free, 2 * i + 1, acc_o_r, alpha_shared,
-                              P_shared)
-                T.barrier_wait(fin_ready[0], 0)
-                for h, d in T.Parallel(M, DH):
-                    acc_o_r[h, d] = acc_o_r[h, d] * alpha_shared[h]
-                T.copy(acc_o_r, O_r)
-                T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
-            else:
-                T.set_max_nreg(80, 0)
-                t = tx - 2 * WG
-                for i in T.serial(T.ceildiv(NB, 2)):
-                    gather(KV, Indices, K_l0, K_r0, K_t0, ready_l0, ready_rt0, free_l0, free_rt0,
-                           b_i, s_i, 2 * i, i & 1, t)
-                    if 2 * i + 1 < NB:
-                        gather(KV, Indices, K_l1, K_r1, K_t1, ready_l1, ready_rt1, free_l1,
-                               free_rt1, b_i, s_i, 2 * i + 1, i & 1, t)
-
-    return sparse_fwd_ws
-
-
-
-def _alternating(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                 row_extent: bool = True):
-    """The 64-head forward with the two consumer warpgroups on alternate key blocks (384
-    threads; same arguments and results as :func:`_warp_specialized`).
-
-    Warpgroup 0 takes the even blocks (key buffer 0), warpgroup 1 the odd ones (buffer 1); each
-    keeps half of the output columns of all 64 heads.  Per pair of blocks ``(2i, 2i + 1)``:
-
-    * warpgroup 0: softmax of block ``2i`` against its running max, which it hands to
-      warpgroup 1 through shared memory; ``O_l += P_0 V_0[:, :Dv/2]`` with ``P_0`` from
-      registers (an RS wgmma: no shared-memory read of ``P``); once warpgroup 1's max of the
-      pair is back, ``P_0`` rescaled to it into shared memory (in buffer 0's rope tail, whose
-      scores are done), then ``O_l += P_1 V_1[:, :Dv/2]`` from warpgroup 1's ``P``; then block
-      ``2i + 2``'s score GEMMs;
-    * warpgroup 1: block ``2i + 1``'s scores, its softmax starting from warpgroup 0's max (so the
-      pair's max), ``O_r += P_1 V_1[:, Dv/2:]`` from registers and ``O_r += P_0 V_0[:, Dv/2:]``.
-
-    So each warpgroup's score GEMM (at the shared-memory rate) runs while the other does its
-    softmax and ``P V``, and both do the same tensor work; in :func:`_warp_specialized`
-    warpgroup 0 alone computes every score.  This is the schedule of FlashMLA's SM90 sparse
-    prefill (``csrc/sm90/prefill/sparse/phase1.cuh``), written here in TileLang.  The row sums
-    of the two warpgroups add at the end, in the pair's max (both end with the same max).
-    The producer (warpgroup 2) gathers each buffer in two parts, in the order they come free:
-    buffer 0's left half (free after warpgroup 0's RS), buffer 1's right half and tail (after
-    warpgroup 1's), buffer 0's right half and tail, buffer 1's left half (after the SS ones).
+    Registers (``setmaxnreg``): 216 per consumer thread, 72 for the producer (ptxas: no spill;
+    at 208 it spills).  The last pair's ``O_l += P_1 V_1`` is issued at the top of the next
+    pair, not at the end of its own: a wgmma in flight across the loop's back edge made ptxas
+    serialise every wgmma of the kernel (its warning C7514).  The query tile is loaded with
+    16-byte ``cp.async`` by all 384 threads before the split (a ``T.copy`` by 384 threads
+    lowered to two-byte loads, run 24).  With ``row_extent`` every role walks the row's blocks
+    only up to the one holding its last slot with a key (the blocks after it add nothing), and
+    the rows go last-first (``row_blocks``).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
     M = heads_per_cta
@@ -496,7 +259,7 @@ def _alternating(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                                          -T.infinity(acc_t))
 
     @T.prim_func
-    def sparse_fwd_alt(
+    def sparse_fwd_ws(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
         KV: T.Tensor([B, S_kv, d_qk], dtype),
         Indices: T.Tensor([B, S, L], "int32"),
@@ -560,6 +323,8 @@ def _alternating(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             alpha1 = T.alloc_fragment([M], acc_t)
             m_shift1 = T.alloc_fragment([M], acc_t)
             scale2 = T.alloc_local([1], acc_t)
+            rows0 = T.alloc_local([BK // 16], "int32")
+            rows1 = T.alloc_local([BK // 16], "int32")
             ext_v, ext_last, ext_warps, nb = alloc_scratch(3 * WG)
 
             tx = T.get_thread_binding()
@@ -699,19 +464,25 @@ def _alternating(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 t = tx - 2 * WG
                 for i in T.serial(T.ceildiv(NB, 2)):
                     par = i & 1
+                    # both blocks' rows, loaded once and under the first wait
+                    load_key_rows(Indices, b_i, s_i, 2 * i, t, rows0)
+                    if 2 * i + 1 < NB:
+                        load_key_rows(Indices, b_i, s_i, 2 * i + 1, t, rows1)
                     T.barrier_wait(free_l0[0], par ^ 1)
-                    gather_key_block(KV, Indices, K_l0, None, None, b_i, s_i, 2 * i, t)
+                    gather_key_block(KV, Indices, K_l0, None, None, b_i, s_i, 2 * i, t, rows0)
                     T.cp_async_barrier_noinc(ready_l0[0])
                     if 2 * i + 1 < NB:
                         T.barrier_wait(free_rt1[0], par ^ 1)
-                        gather_key_block(KV, Indices, None, K_r1, K_t1, b_i, s_i, 2 * i + 1, t)
+                        gather_key_block(KV, Indices, None, K_r1, K_t1, b_i, s_i, 2 * i + 1, t,
+                                         rows1)
                         T.cp_async_barrier_noinc(ready_rt1[0])
                     T.barrier_wait(free_rt0[0], par ^ 1)
-                    gather_key_block(KV, Indices, None, K_r0, K_t0, b_i, s_i, 2 * i, t)
+                    gather_key_block(KV, Indices, None, K_r0, K_t0, b_i, s_i, 2 * i, t, rows0)
                     T.cp_async_barrier_noinc(ready_rt0[0])
                     if 2 * i + 1 < NB:
                         T.barrier_wait(free_l1[0], par ^ 1)
-                        gather_key_block(KV, Indices, K_l1, None, None, b_i, s_i, 2 * i + 1, t)
+                        gather_key_block(KV, Indices, K_l1, None, None, b_i, s_i, 2 * i + 1, t,
+                                         rows1)
                         T.cp_async_barrier_noinc(ready_l1[0])
 
-    return sparse_fwd_alt
+    return sparse_fwd_ws
