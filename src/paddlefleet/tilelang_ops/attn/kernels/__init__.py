@@ -16,8 +16,8 @@
   it, which keys
   re-run (``rerun_plan``, with a flag per batch that has any) and their slots (``rerun_slots``,
   which skips the unflagged batches): small kernels in place of ~40 framework ops.
-* ``async_copy``: the 16-byte ``cp.async`` macros (query tile, key-block gather) that both
-  warp-specialised kernels share.
+* ``async_copy``: the 16-byte ``cp.async`` macros: the query tile (both warp-specialised
+  kernels) and the key-block gather (the forward's producer).
 
 :func:`build` maps a kernel name and its static arguments to the compiled kernel and
 :func:`specs` lists every specialisation the host wrappers can ask for: the provider in

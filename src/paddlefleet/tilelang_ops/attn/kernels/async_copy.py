@@ -1,6 +1,8 @@
-"""Asynchronous copies shared by the warp-specialised kernels (``sparse_fwd._warp_specialized``,
-``sparse_bwd._warp_specialized``): 16-byte ``cp.async`` from global into shared memory, issued by
-the calling threads; the caller commits them to an mbarrier (``T.cp_async_barrier_noinc``).
+"""Asynchronous copies of the warp-specialised kernels: 16-byte ``cp.async`` from global into
+shared memory, issued by the calling threads; the caller commits them to an mbarrier
+(``T.cp_async_barrier_noinc``).  The query tile (``load_head_tile``) is loaded this way by the
+64-head forward and backward (``sparse_fwd._warp_specialized``, ``sparse_bwd._two_warpgroups``),
+the key blocks (``load_key_rows``, ``gather_key_block``) by the forward's producer.
 
 Why by hand: a ``T.copy`` by a thread count that does not divide the tile lowered to two-byte
 loads (~65 us per CTA in the forward, run 24 of docs/performance.md), and the gather's rows come
@@ -68,22 +70,16 @@ def copy_key_row(KV, row, j, K_l, K_r, K_t, b_i, t):
 
 
 @T.macro
-def gather_key_block(KV, Indices, K_l, K_r, K_t, b_i, s_i, k, t, rows=None):
-    """Key block ``k`` (``BK`` slots of row ``s_i``) of the latent rows into ``K_l`` / ``K_r``
-    (the two halves of the first ``2 DH`` columns) and ``K_t`` (the rope tail), by 128 threads
-    (``t`` in ``[0, 128)``, 8 per row).  ``K_l`` may be ``None`` (only the right half and the
-    tail), or ``K_r`` and ``K_t`` (only the left half): a caller that frees the two parts at
-    different times gathers them separately.  A ``-1`` slot copies row 0 (a clamped address,
-    never the index itself); the kernels mask its score to ``-inf``.  ``rows``: the block's
-    clamped rows from :func:`load_key_rows` (then ``Indices`` is not read here)."""
-    BK = K_l.shape[0] if K_l is not None else K_r.shape[0]
-    if rows is None:
-        for r in T.serial(BK // 16):
-            copy_key_row(KV, T.max(Indices[b_i, s_i, k * BK + r * 16 + t // 8], 0),
-                         r * 16 + t // 8, K_l, K_r, K_t, b_i, t)
-    else:
-        for r in T.unroll(BK // 16):
-            copy_key_row(KV, rows[r], r * 16 + t // 8, K_l, K_r, K_t, b_i, t)
+def gather_key_block(KV, rows, K_l, K_r, K_t, b_i, t):
+    """A key block's latent rows into ``K_l`` / ``K_r`` (the two halves of the first ``2 DH``
+    columns) and ``K_t`` (the rope tail), by 128 threads (``t`` in ``[0, 128)``, 8 per row);
+    ``rows`` is thread ``t``'s share of the block's rows from :func:`load_key_rows`.  ``K_l``
+    may be ``None`` (only the right half and the tail), or ``K_r`` and ``K_t`` (only the left
+    half): a caller that frees the two parts at different times gathers them separately.  A
+    ``-1`` slot copies row 0 (``load_key_rows`` clamps it; the index is never an address);
+    the kernel masks its score to ``-inf``."""
+    for r in T.unroll(rows.shape[0]):
+        copy_key_row(KV, rows[r], r * 16 + t // 8, K_l, K_r, K_t, b_i, t)
 
 
 @T.macro

@@ -215,23 +215,24 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
       warpgroup 0's RS), buffer 1's right half and tail (after warpgroup 1's RS), buffer 0's
       right half and tail, buffer 1's left half (after the SS ones).
 
-    Each consumer's score GEMM (at the shared-memory rate) runs while the other does its
-    softmax and ``P V``, and both do the same tensor work.  This is the schedule of FlashMLA's
-    SM90 sparse prefill (``csrc/sm90/prefill/sparse/phase1.cuh``), written here in TileLang; it
-    replaced (sixteenth session, runs 75-76 of docs/validation.md) a split by output columns
-    in which warpgroup 0 computed every score and softmax and warpgroup 1 only the right ``P
-    V``, with the softmax under warpgroup 0's own left ``P V`` (run 43): per block, its score
-    GEMM and softmax stood in a chain.  The row sums of the two consumers add at the end, in
-    the last pair's max (both end with it); the sink is folded in as in :func:`sparse_fwd`.
+    Warpgroup 1's score GEMM (at the shared-memory rate) runs under warpgroup 0's softmax and
+    ``P V``, warpgroup 0's under warpgroup 1's ``P V``, and both do the same tensor work.  This
+    is the schedule of FlashMLA's SM90 sparse prefill (``csrc/sm90/prefill/sparse/phase1.cuh``),
+    written here in TileLang; it replaced (sixteenth session, runs 75-76 of docs/validation.md)
+    a split by output columns in which warpgroup 0 computed every score and softmax and
+    warpgroup 1 only the right ``P V``, with the softmax under warpgroup 0's own left ``P V``
+    (run 43): per block, its score GEMM and softmax stood in a chain.  The row sums of the two
+    consumers add at the end, in the final pair's max (both end with it); the sink is folded in
+    as in :func:`sparse_fwd`.
 
     Registers (``setmaxnreg``): 216 per consumer thread, 72 for the producer (ptxas: no spill;
-    at 208 it spills).  The last pair's ``O_l += P_1 V_1`` is issued at the top of the next
-    pair, not at the end of its own: a wgmma in flight across the loop's back edge made ptxas
-    serialise every wgmma of the kernel (its warning C7514).  The query tile is loaded with
-    16-byte ``cp.async`` by all 384 threads before the split (a ``T.copy`` by 384 threads
-    lowered to two-byte loads, run 24).  With ``row_extent`` every role walks the row's blocks
-    only up to the one holding its last slot with a key (the blocks after it add nothing), and
-    the rows go last-first (``row_blocks``).
+    at 208 it spills).  Each pair's ``O_l += P_1 V_1`` is issued at the top of the next pair
+    (the final pair's after the loop), not at the end of its own: a wgmma in flight across the
+    loop's back edge made ptxas serialise every wgmma of the kernel (its warning C7514).  The
+    query tile is loaded with 16-byte ``cp.async`` by all 384 threads before the split (a
+    ``T.copy`` by 384 threads lowered to two-byte loads, run 24).  With ``row_extent`` every
+    role walks the row's blocks only up to the one holding its last slot with a key (the blocks
+    after it add nothing), and the rows go last-first (``row_blocks``).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
     M = heads_per_cta
@@ -350,8 +351,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     T.barrier_wait(ready_l0[0], i & 1)
                     T.fence_proxy_async()
                     if i > 0:
-                        # the last pair's O_l += P_1 V_1, issued here and not at the end of
-                        # that pair: a wgmma in flight across the loop's back edge made ptxas
+                        # the previous pair's O_l += P_1 V_1, issued here and not at the end
+                        # of that pair: a wgmma in flight across the loop's back edge made ptxas
                         # serialise every wgmma of the kernel (C7514)
                         T.wgmma_gemm(P_1, K_l1, acc_o0)
                         T.wgmma_gemm(Q_l, K_l0, acc_s0, transpose_B=True)
@@ -394,7 +395,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                         acc_o0[h, d] = acc_o0[h, d] * alpha[h]
                     if 2 * i + 1 < NB:
                         T.barrier_wait(p1_ready[0], i & 1)
-                if NB % 2 == 0:  # the last pair's P_1 V_1
+                # the final pair's P_1 V_1 (NB >= 1: row_key_blocks, or L >= BK from the host)
+                if NB % 2 == 0:
                     T.wgmma_gemm(P_1, K_l1, acc_o0)
                     T.wait_wgmma(0)
                 T.warpgroup_fence_operand(acc_o0, num_regs=M * DH // WG)
@@ -469,20 +471,18 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     if 2 * i + 1 < NB:
                         load_key_rows(Indices, b_i, s_i, 2 * i + 1, t, rows1)
                     T.barrier_wait(free_l0[0], par ^ 1)
-                    gather_key_block(KV, Indices, K_l0, None, None, b_i, s_i, 2 * i, t, rows0)
+                    gather_key_block(KV, rows0, K_l0, None, None, b_i, t)
                     T.cp_async_barrier_noinc(ready_l0[0])
                     if 2 * i + 1 < NB:
                         T.barrier_wait(free_rt1[0], par ^ 1)
-                        gather_key_block(KV, Indices, None, K_r1, K_t1, b_i, s_i, 2 * i + 1, t,
-                                         rows1)
+                        gather_key_block(KV, rows1, None, K_r1, K_t1, b_i, t)
                         T.cp_async_barrier_noinc(ready_rt1[0])
                     T.barrier_wait(free_rt0[0], par ^ 1)
-                    gather_key_block(KV, Indices, None, K_r0, K_t0, b_i, s_i, 2 * i, t, rows0)
+                    gather_key_block(KV, rows0, None, K_r0, K_t0, b_i, t)
                     T.cp_async_barrier_noinc(ready_rt0[0])
                     if 2 * i + 1 < NB:
                         T.barrier_wait(free_l1[0], par ^ 1)
-                        gather_key_block(KV, Indices, K_l1, None, None, b_i, s_i, 2 * i + 1, t,
-                                         rows1)
+                        gather_key_block(KV, rows1, K_l1, None, None, b_i, t)
                         T.cp_async_barrier_noinc(ready_l1[0])
 
     return sparse_fwd_ws
