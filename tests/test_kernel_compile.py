@@ -9,7 +9,9 @@ deterministic exact mode (first pass with dQ, and the re-run without), the 16-he
 backward (the other key block) and the preprocess; and the exact dKV's five small bookkeeping
 kernels (``exact_grid.py``, a second or two each), each held to what makes it fast and safe:
 16-byte loads, int64 atomics, warp ballots, runtime scalar arguments, and every global read or
-write of a data-dependent index behind its bounds check.
+write of a data-dependent index behind its bounds check.  Every lowered kernel hands registers
+between its warpgroups as it asks (``setmaxnreg``), and where ``nvcc`` exists ptxas must not
+serialise its wgmma (warning C7514).
 Runs under tilelang-paddle 0.1.13 (CI) and mainline TileLang 0.1.15; skipped when TileLang is
 not installed.
 """
@@ -131,6 +133,7 @@ def test_kernel_lowers_for_sm90a(name, args):
     assert _smem(art) <= SMEM_LIMIT
     if name in ("fwd", "bwd_main") and args[0] == 64:
         assert "wgmma" in src, "the 64-head kernels should use Hopper wgmma"
+    _assert_register_handover(src)
     if name == "bwd_main":
         assert "AtomicAddx4" in src, "the vectorised dKV scatter is missing"
         exact = args[3] == "exact"
@@ -157,6 +160,37 @@ def test_kernel_lowers_for_sm90a(name, args):
                                        "for (int k = 0; k < (num_blocks - 1); ++k) {")
                      for sp in _blocks(src, opener)]
             assert _all_inside(src, "Indices[", spans)
+
+
+def _assert_register_handover(src):
+    """A warp-specialised kernel's ``setmaxnreg`` raises (``warpgroup_reg_alloc``) take no more
+    registers than its lowering (``warpgroup_reg_dealloc``) give back, from the launch's share
+    ``65536 / threads`` (rounded down to 8): one asking for more waits forever (run 56: a
+    forward trial hung with 192 / 232 / 80 registers, 96 x 128 asked, 88 x 128 freed)."""
+    ups = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+    downs = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+    if not ups and not downs:
+        return
+    threads = int(re.search(r"__launch_bounds__\((\d+)", src).group(1))
+    share = min(65536 // threads, 255) // 8 * 8
+    assert sum(u - share for u in ups) <= sum(share - d for d in downs), (share, ups, downs)
+
+
+def test_forward_consumers_take_alternate_blocks():
+    """The 64-head forward (``sparse_fwd._warp_specialized``, consumers on alternate key blocks):
+    each consumer multiplies its own ``P`` from registers (an RS wgmma each), the producer reads
+    the indices only in its two row loads per pair (``async_copy.load_key_rows``, both blocks'
+    rows ahead of the pair's first wait), its registers are handed over as asked, and
+    ``scale2`` is set before the warpgroups split: run 74 set it in warpgroup 0's branch only,
+    and warpgroup 1's softmax weights came out NaN."""
+    (name, args), = [(n, a) for n, a in SPECS if n == "fwd"]
+    src = _lower(name, args).kernel_source
+    assert src.count("wgmma_rs<") == 2
+    split = src.index("if (((int)threadIdx.x) < 128) {")
+    assert re.search(r"scale2\[0\] = \(Scale\[0\]", src[:split])
+    producer = src[src.index("warpgroup_reg_dealloc"):]
+    assert producer.count("Indices[") == 2
+    assert re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src) == ["216", "216", "72"]
 
 
 def _guarded(src, access, guards, before=600):
