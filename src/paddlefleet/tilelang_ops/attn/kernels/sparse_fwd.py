@@ -259,6 +259,13 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                          -T.infinity(acc_t))
 
+    @T.macro
+    def refill(free, ready, parity, KV, rows, K_l, K_r, K_t, b_i, t):
+        # the producer: once the consumers are done with a buffer part, gather a block into it
+        T.barrier_wait(free[0], parity ^ 1)
+        gather_key_block(KV, rows, K_l, K_r, K_t, b_i, t)
+        T.cp_async_barrier_noinc(ready[0])
+
     @T.prim_func
     def sparse_fwd_ws(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -470,19 +477,11 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     load_key_rows(Indices, b_i, s_i, 2 * i, t, rows0)
                     if 2 * i + 1 < NB:
                         load_key_rows(Indices, b_i, s_i, 2 * i + 1, t, rows1)
-                    T.barrier_wait(free_l0[0], par ^ 1)
-                    gather_key_block(KV, rows0, K_l0, None, None, b_i, t)
-                    T.cp_async_barrier_noinc(ready_l0[0])
+                    refill(free_l0, ready_l0, par, KV, rows0, K_l0, None, None, b_i, t)
                     if 2 * i + 1 < NB:
-                        T.barrier_wait(free_rt1[0], par ^ 1)
-                        gather_key_block(KV, rows1, None, K_r1, K_t1, b_i, t)
-                        T.cp_async_barrier_noinc(ready_rt1[0])
-                    T.barrier_wait(free_rt0[0], par ^ 1)
-                    gather_key_block(KV, rows0, None, K_r0, K_t0, b_i, t)
-                    T.cp_async_barrier_noinc(ready_rt0[0])
+                        refill(free_rt1, ready_rt1, par, KV, rows1, None, K_r1, K_t1, b_i, t)
+                    refill(free_rt0, ready_rt0, par, KV, rows0, None, K_r0, K_t0, b_i, t)
                     if 2 * i + 1 < NB:
-                        T.barrier_wait(free_l1[0], par ^ 1)
-                        gather_key_block(KV, rows1, K_l1, None, None, b_i, t)
-                        T.cp_async_barrier_noinc(ready_l1[0])
+                        refill(free_l1, ready_l1, par, KV, rows1, K_l1, None, None, b_i, t)
 
     return sparse_fwd_ws
