@@ -82,7 +82,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True):
+               row_extent: bool = True, consumer_regs: int = 224):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -93,6 +93,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
         row_extent: (64-head schedule) walk a row only up to its last slot with a key, rows
             last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
+        consumer_regs: (64-head schedule) ``setmaxnreg`` of each consumer thread; the producer
+            gets the rest of the 384 threads' share (``504 - 2 consumer_regs``).
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -104,7 +106,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -193,7 +195,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
 
 
 def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      row_extent: bool = True):
+                      row_extent: bool = True, consumer_regs: int = 224):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     Warpgroups 0 and 1, the consumers, take alternate key blocks: warpgroup 0 the even ones (key
@@ -213,7 +215,9 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
       copies row 0 and is masked), its rows' indices loaded once per block and ahead of the
       waits, in two parts per buffer in the order they come free: buffer 0's left half (after
       warpgroup 0's RS), buffer 1's right half and tail (after warpgroup 1's RS), buffer 0's
-      right half and tail, buffer 1's left half (after the SS ones).
+      right half and tail, buffer 1's left half (after the SS ones).  Block 0 is gathered
+      after the prologue: sent out beside the query tile it made the forward 1-2% slower (run
+      80; its loads compete with the query tile's, which the consumers need first).
 
     Warpgroup 1's score GEMM (at the shared-memory rate) runs under warpgroup 0's softmax and
     ``P V``, warpgroup 0's under warpgroup 1's ``P V``, and both do the same tensor work.  This
@@ -225,8 +229,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     consumers add at the end, in the final pair's max (both end with it); the sink is folded in
     as in :func:`sparse_fwd`.
 
-    Registers (``setmaxnreg``): 216 per consumer thread, 72 for the producer (ptxas: no spill;
-    at 208 it spills).  Each pair's ``O_l += P_1 V_1`` is issued at the top of the next pair
+    Registers (``setmaxnreg``): 224 per consumer thread, 56 for the producer (ptxas: no spill;
+    at 208 the consumers spill; 224 measured 1-2% faster than 216 / 72 in run 79).  Each pair's ``O_l += P_1 V_1`` is issued at the top of the next pair
     (the final pair's after the loop), not at the end of its own: a wgmma in flight across the
     loop's back edge made ptxas serialise every wgmma of the kernel (its warning C7514).  The
     query tile is loaded with 16-byte ``cp.async`` by all 384 threads before the split (a
@@ -349,7 +353,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
 
             scale2[0] = Scale[0] * LOG2E  # both consumers compute weights
             if tx < WG:
-                T.set_max_nreg(216, 1)
+                T.set_max_nreg(consumer_regs, 1)
                 T.fill(acc_o0, 0)
                 T.fill(row_sum, 0)
                 T.fill(row_max, -T.infinity(acc_t))
@@ -419,7 +423,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
                 T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
             elif tx < 2 * WG:
-                T.set_max_nreg(216, 1)
+                T.set_max_nreg(consumer_regs, 1)
                 T.fill(acc_o1, 0)
                 T.fill(row_sum1, 0)
                 T.fill(row_max1, -T.infinity(acc_t))
@@ -469,7 +473,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.copy(acc_o1, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
             else:
-                T.set_max_nreg(72, 0)
+                T.set_max_nreg(504 - 2 * consumer_regs, 0)  # 65536 / 384 per thread, x 3
                 t = tx - 2 * WG
                 for i in T.serial(T.ceildiv(NB, 2)):
                     par = i & 1
