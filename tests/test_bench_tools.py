@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 
 import pytest
 
@@ -153,12 +155,102 @@ def _rows():
 def test_rows():
     rows = _rows()
     assert set(rows[0]) == set(harness.FIELDS)
+    assert {"sm_mhz", "power_w"} <= set(harness.FIELDS) and rows[0]["sm_mhz"] is None
+    r = harness.make_row(REF, "fwd", META, ms=1.0, sm_mhz=1755.0, power_w=699.5)
+    assert (r["sm_mhz"], r["power_w"]) == (1755.0, 699.5)
     assert rows[2]["det_over_atomic"] == pytest.approx(20 / 15)
     assert rows[1]["det_over_atomic"] is None and rows[3]["det_over_atomic"] is None
     assert rows[2]["x_floor"] == pytest.approx(20.0 / (2_954_937_499_648 / 790e9))
     assert rows[2]["tbs"] == pytest.approx(1_194_328_064 / 20e-3 / 1e12)
     with pytest.raises(ValueError, match="unknown fields"):
         harness.make_row(REF, "fwd", META, millis=1.0)
+
+
+def test_gpu_sampler_without_nvml_gives_none(monkeypatch):
+    def no_library():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(harness, "_nvml_lib", None)  # not tried yet in this process
+    monkeypatch.setattr(harness, "_load_nvml", no_library)
+    assert harness.nvml_reader() is None and harness.nvml_reader(pci_bus_id="0:1:0.0") is None
+    with harness.GpuSampler(harness.nvml_reader()) as gpu:
+        pass
+    assert gpu.fields() == {"sm_mhz": None, "power_w": None} and gpu.samples == []
+    row = harness.make_row(REF, "fwd", META, ms=1.0, **gpu.fields())
+    assert row["sm_mhz"] is None and row["power_w"] is None
+
+
+def test_nvml_is_initialised_once_and_read_through_ctypes(monkeypatch):
+    class FakeNvml:  # the four entry points, as ctypes calls them (out-parameters by byref)
+        inits = 0
+
+        def nvmlInit_v2(self):
+            FakeNvml.inits += 1
+            return 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+            handle._obj.value = 100 + index.value
+            return 0 if index.value < 2 else 2  # NVML_ERROR_INVALID_ARGUMENT
+
+        def nvmlDeviceGetClockInfo(self, handle, clock_type, out):
+            out._obj.value = 1755 if clock_type == harness.NVML_CLOCK_SM else 0
+            return 0
+
+        def nvmlDeviceGetPowerUsage(self, handle, out):
+            out._obj.value = 699_500 if handle.value == 101 else 0
+            return 0 if handle.value == 101 else 3  # NVML_ERROR_NOT_SUPPORTED
+
+    monkeypatch.setattr(harness, "_nvml_lib", None)
+    monkeypatch.setattr(harness, "_load_nvml", FakeNvml)
+    assert harness.nvml_reader(index=1)() == (1755, 699.5)
+    assert harness.nvml_reader(index=0)() == (1755, None)  # power unsupported: clock still read
+    assert harness.nvml_reader(index=7) is None
+    assert FakeNvml.inits == 1
+
+
+def test_gpu_sampler_takes_medians_of_the_samples_on_its_thread():
+    readings = iter([(1980, 300.0), (1760, 690.0), (1750, None), (1740, 700.0)])
+    threads = []
+
+    def read():
+        threads.append(threading.get_ident())
+        return next(readings)  # StopIteration after four: sampling stops, without an error
+
+    with harness.GpuSampler(read, period_s=0.001) as gpu:
+        deadline = time.monotonic() + 10
+        while len(threads) < 5 and time.monotonic() < deadline:  # its thread is done
+            time.sleep(0.001)
+    assert gpu.samples == [(1980, 300.0), (1760, 690.0), (1750, None), (1740, 700.0)]
+    # four samples and the failed fifth on the sampler's thread (beside the timed calls), then
+    # the failed one on exit
+    assert len(threads) == 6 and threading.get_ident() not in threads[:5]
+    assert len(set(threads[:5])) == 1 and threads[5] == threading.get_ident()
+    assert gpu.sm_mhz == 1755.0 and gpu.power_w == 690.0  # None left out of the median
+    assert gpu.fields() == {"sm_mhz": 1755.0, "power_w": 690.0}
+
+
+def test_gpu_sampler_samples_a_short_section_at_least_twice():
+    calls = []
+
+    def read():
+        calls.append(time.monotonic())
+        return (1980 - 10 * len(calls), 100.0 * len(calls))
+
+    with harness.GpuSampler(read, period_s=60.0) as gpu:  # one sample on entry, one on exit
+        pass
+    assert len(calls) == 2 and (gpu.sm_mhz, gpu.power_w) == (1965.0, 150.0)
+
+
+def test_table_has_the_sm_clock_where_rows_carry_it():
+    rows = _rows()
+    assert "SM MHz" not in harness.table(harness.result_cols(rows), rows)
+    rows[0].update(sm_mhz=1755.4, power_w=699.0)
+    lines = harness.table(harness.result_cols(rows), rows).splitlines()
+    assert lines[0].startswith("| shape | B | S | S_kv | H | topk | variant | ms (p50) | p20-p80 "
+                               "| SM MHz | TFLOP/s | % of matmul peak |")
+    assert "| fwd | 3.500 | 3.465-3.535 | 1755 | " in lines[2]
+    assert "| bwd_det | 20.000 | 19.800-20.200 | - | 147.7 |" in lines[4]
+    assert plot.markdown(rows, META).splitlines()[2] == lines[0]
 
 
 def test_results_json_round_trip_through_plot_markdown(tmp_path, capsys):
@@ -308,6 +400,11 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
                                             "bwd_det", "ref_fwd", "ref_bwd"]
     assert all(r["status"] == "ok" for r in rows) and all(set(r) == set(harness.FIELDS)
                                                           for r in rows)
+    # on CPU the sampler has no GPU to read: the fields are there, empty
+    assert all(r["sm_mhz"] is None and r["power_w"] is None for r in rows)
+    header = (tmp_path / "results.csv").read_text().splitlines()[0].split(",")
+    assert header == list(harness.FIELDS)
+    assert header.index("sm_mhz") == header.index("ms_max") + 1
     meta = payload["meta"]
     assert meta["peak_tflops"] == rows[0]["tflops"] and meta["copy_tbs"] == rows[1]["tbs"]
     assert rows[1]["tbs"] == pytest.approx(2 * 2**20 / rows[1]["ms"] / 1e9)

@@ -206,9 +206,22 @@ def load_functions(torch, cpu_standin: bool, check_indices: bool = True) -> dict
             "ref_bwd": ref_bwd}
 
 
+def nvml_reader(torch):
+    """:func:`harness.nvml_reader` of the current CUDA device, found by its PCI bus id where
+    torch gives it: NVML numbers every GPU of the host, CUDA only the visible ones."""
+    dev = torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(dev)
+    if getattr(p, "pci_bus_id", None) is None:  # older torch: NVML's index, right on one GPU
+        return harness.nvml_reader(index=dev)
+    return harness.nvml_reader(
+        pci_bus_id=f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
+
+
 def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
-    """First call (compile + run, wall s), then the timed calls; peak memory on the GPU; with
-    ``check``, whether the outputs are finite and two calls on the same inputs bitwise equal."""
+    """First call (compile + run, wall s), then the timed calls with the GPU's median SM clock
+    (``sm_mhz``, MHz) and board power (``power_w``, W) while they ran; peak memory on the GPU;
+    with ``check``, whether the outputs are finite and two calls on the same inputs bitwise
+    equal."""
     clock.sync()
     if clock.cuda:
         base = torch.cuda.memory_allocated()
@@ -217,7 +230,10 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
     fn(inputs[0])
     clock.sync()
     res = {"first_call_s": time.perf_counter() - t0}
-    res.update(harness.summarize(harness.time_calls(clock, fn, inputs, warmup, reps)))
+    # the clock falls from 1980 to ~1750 MHz at the H200's power limit under sustained load
+    with harness.GpuSampler(nvml_reader(torch) if clock.cuda else None) as gpu:
+        times = harness.time_calls(clock, fn, inputs, warmup, reps)
+    res.update(harness.summarize(times), **gpu.fields())
     if clock.cuda:
         peak = torch.cuda.max_memory_allocated()
         res.update(peak_mem_mb=peak / 1e6, extra_mem_mb=(peak - base) / 1e6)
@@ -469,7 +485,9 @@ def run(a: argparse.Namespace) -> int:
             f"{row['shape']:14s} {row['variant']:11s} {row['ms']:9.3f} ms (p20 {row['ms_p20']:.3f},"
             f" p80 {row['ms_p80']:.3f}, min {row['ms_min']:.3f}, max {row['ms_max']:.3f}) "
             + (f"{row['tflops']:7.1f} TFLOP/s" if row["tflops"] else f"{row['tbs']:.2f} TB/s")
-            + (f", first call {row['first_call_s']:.1f} s" if row["first_call_s"] > 2 else ""))
+            + (f", first call {row['first_call_s']:.1f} s" if row["first_call_s"] > 2 else "")
+            + (f", SM {row['sm_mhz']:.0f} MHz" if row["sm_mhz"] is not None else "")
+            + (f", {row['power_w']:.0f} W" if row["power_w"] is not None else ""))
         return row
 
     def save():
@@ -542,7 +560,7 @@ def run(a: argparse.Namespace) -> int:
         except ImportError as e:  # matplotlib is optional
             say(f"plot skipped: {e}")
     text = "\n\n".join(filter(None, (harness.run_line(meta), harness.table(
-        harness.RESULT_COLS, rows[:len(rows) - len(core)]), core and partition_table(core))))
+        harness.result_cols(rows), rows[:len(rows) - len(core)]), core and partition_table(core))))
     with open(os.path.join(a.out, "table.txt"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     sys.stderr.flush()

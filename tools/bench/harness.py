@@ -1,12 +1,14 @@
 """Timing and reporting for tools/bench: a device clock, the median and spread of per-call
 times, result rows, one (markdown) table writer, JSON/CSV output, the run's environment.
 
-Units: ms, TFLOP/s (1e12 FLOP/s), TB/s (1e12 B/s), MB (1e6 bytes).  The work model is model.py.
+Units: ms, TFLOP/s (1e12 FLOP/s), TB/s (1e12 B/s), MB (1e6 bytes), MHz, W.  The work model is
+model.py.
 """
 
 from __future__ import annotations
 
 import csv
+import ctypes
 import datetime as _dt
 import hashlib
 import importlib.metadata
@@ -14,6 +16,7 @@ import json
 import os
 import platform
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -69,6 +72,100 @@ def summarize(samples_ms: Sequence[float]) -> dict:
             "ms_min": min(samples_ms), "ms_max": max(samples_ms), "reps": len(samples_ms)}
 
 
+# --- the GPU's clock and power while a variant runs ---------------------------------------------
+
+#: nvmlClockType_t's NVML_CLOCK_SM.
+NVML_CLOCK_SM = 1
+_nvml_lib = None  # NVML after nvmlInit_v2; False where that failed (tried once per process)
+
+
+def _load_nvml():
+    return ctypes.CDLL("libnvidia-ml.so.1")
+
+
+def _nvml():
+    """The initialised NVML library, or None (no driver: CPU machines, CI)."""
+    global _nvml_lib
+    if _nvml_lib is None:
+        try:
+            lib = _load_nvml()
+            _nvml_lib = lib if lib.nvmlInit_v2() == 0 else False
+        except (OSError, AttributeError):
+            _nvml_lib = False
+    return _nvml_lib or None
+
+
+def nvml_reader(index: int = 0, pci_bus_id: str | None = None) -> Callable | None:
+    """A function returning ``(SM clock MHz, board power W)`` of one GPU, each None where NVML
+    fails; the GPU by ``pci_bus_id`` (``"0000:1b:00.0"``) if given, else by NVML ``index``.
+    None where NVML or the GPU cannot be reached."""
+    lib = _nvml()
+    if lib is None:
+        return None
+    handle = ctypes.c_void_p()
+    try:
+        rc = (lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle))
+              if pci_bus_id else
+              lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)))
+    except AttributeError:  # a driver without the _v2 entry points
+        return None
+    if rc != 0:
+        return None
+    mhz, mw = ctypes.c_uint(), ctypes.c_uint()
+
+    def read():
+        ok_mhz = lib.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM, ctypes.byref(mhz)) == 0
+        ok_mw = lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)) == 0
+        return (mhz.value if ok_mhz else None), (mw.value / 1e3 if ok_mw else None)
+
+    return read
+
+
+class GpuSampler:
+    """Context manager: samples ``read()`` (a pair ``(SM clock MHz, board power W)``, e.g. of
+    :func:`nvml_reader`) every ``period_s`` on a daemon thread, once more on exit, and then
+    holds ``sm_mhz`` and ``power_w``, the medians over the samples (None where there is none,
+    e.g. ``read`` None).  Why: at the power limit the clock, and with it the time, drops."""
+
+    def __init__(self, read: Callable | None, period_s: float = 0.005):
+        self.read, self.period_s = read, period_s
+        self.samples: list[tuple] = []
+        self.sm_mhz = self.power_w = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _sample(self) -> bool:
+        try:
+            self.samples.append(self.read())
+            return True
+        except Exception:  # noqa: BLE001 - never fail a benchmark over its context
+            return False
+
+    def _loop(self) -> None:
+        while self._sample() and not self._stop.wait(self.period_s):
+            pass
+
+    def __enter__(self):
+        if self.read is not None:
+            self._thread = threading.Thread(target=self._loop, name="GpuSampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()  # a section shorter than the period still gets one under load
+        for k, field in enumerate(("sm_mhz", "power_w")):
+            vals = [s[k] for s in self.samples if s is not None and s[k] is not None]
+            setattr(self, field, float(np.median(vals)) if vals else None)
+        return False
+
+    def fields(self) -> dict:
+        """``{"sm_mhz": MHz, "power_w": W}`` (medians; None where unknown) for a row."""
+        return {"sm_mhz": self.sm_mhz, "power_w": self.power_w}
+
+
 # --- result rows -------------------------------------------------------------------------------
 
 #: Keys of every row (results.json rows, results.csv columns); the meta ones repeat on each row
@@ -76,6 +173,7 @@ def summarize(samples_ms: Sequence[float]) -> dict:
 FIELDS = ("gpu", "torch", "tilelang", "timestamp", "git",
           "shape", "B", "S", "S_kv", "H", "topk", "Dk", "Dv",
           "variant", "status", "reps", "ms", "ms_p20", "ms_p80", "ms_min", "ms_max",
+          "sm_mhz", "power_w",
           "gflop", "tflops", "frac_peak", "tbs", "floor_ms", "x_floor", "peak_mem_mb",
           "extra_mem_mb", "det_over_atomic", "repeatable", "first_call_s", "a2a_mb", "note")
 META_FIELDS = FIELDS[:5]
@@ -163,6 +261,17 @@ RESULT_COLS = (
     ("peak mem MB", "peak_mem_mb", ",.0f"), ("det/atomic", "det_over_atomic", ".2f"),
     ("bitwise repeatable", "repeatable", ""),
 )
+#: The median SM clock while a variant ran, after ``p20-p80``: the time it explains.
+SM_MHZ_COL = ("SM MHz", "sm_mhz", ".0f")
+
+
+def result_cols(rows: Sequence[dict]) -> tuple:
+    """:data:`RESULT_COLS` with :data:`SM_MHZ_COL` after ``p20-p80`` where a row has a clock:
+    results of runs that did not record it (docs/perf/h200-latest.json) keep their table."""
+    if not any(r.get("sm_mhz") is not None for r in rows):
+        return RESULT_COLS
+    i = [c[0] for c in RESULT_COLS].index("p20-p80") + 1
+    return RESULT_COLS[:i] + (SM_MHZ_COL,) + RESULT_COLS[i:]
 
 
 def floors_table(shapes: Sequence[model.Shape], peak_tflops: float = model.H200_MATMUL_TFLOPS,

@@ -73,7 +73,7 @@ def plot_results(rows: list[dict], meta: dict, png: str) -> str:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     """The "Results (H200)" block: the run line and the table."""
-    return harness.run_line(meta) + "\n\n" + harness.table(harness.RESULT_COLS, rows)
+    return harness.run_line(meta) + "\n\n" + harness.table(harness.result_cols(rows), rows)
 
 
 def update_doc(path: str, body: str) -> None:
