@@ -16,7 +16,10 @@ threads, num_stages, warp_specialized, row_extent);
 wg0_chunks, overlap, w1_right, row_extent; ``None`` is the kernel's default; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
 chunk per block on its scores warpgroup).  Above, the plain
-forward and the row-major dKV chunks, both replaced in run 24.  ``--no-shipped --atomic-only``
+forward and the row-major dKV chunks, both replaced in run 24.  ``--state cool`` times each
+call after 1.5 s of idle (the boost clock), ``--state hot`` after 1.5 s of back-to-back calls
+(the clock at the power limit, as in training); compare variants in both (run 79), with the
+shapes repeated so that the providers alternate.  ``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
 checks on (off by default: kernels and host only).  ``--unfused`` times the atomic backward
 twice per provider, with the preprocess fused into the 64-head main kernel
@@ -104,8 +107,40 @@ CHECK = False
 #: time the atomic backward with and without the fused preprocess (--unfused)
 UNFUSED = False
 
+#: the GPU's state for each timing (--state): "queued" as left by the previous calls; "cool":
+#: after IDLE_S of idle (the boost clock); "hot": the mean per call over HOT_S after WARM_S of
+#: back-to-back calls (the clock at the 700 W power limit, as in training; docs/performance.md
+#: "How it is measured")
+STATE = "queued"
+IDLE_S, WARM_S, HOT_S = 1.5, 1.5, 1.0
+
+
+def _hot_ms(fn):
+    def busy(seconds):
+        n, t = 0, time.time()
+        while time.time() - t < seconds:
+            for _ in range(4):
+                fn()
+            n += 4
+            torch.cuda.synchronize()
+        return n
+    busy(WARM_S)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    n = busy(HOT_S)
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
 def median_ms(fn, reps):
-    """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock)."""
+    """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock), or in
+    the ``--state hot`` the mean per call of sustained calls."""
+    if STATE == "hot":
+        return _hot_ms(fn)
+    if STATE == "cool":
+        torch.cuda.synchronize()
+        time.sleep(IDLE_S)
     samples = harness.time_calls(harness.Clock(torch), lambda _: fn(), [None], 1, reps)
     return harness.summarize(samples)["ms"]
 
@@ -206,6 +241,8 @@ def main():
     ap.add_argument("--bwd", action="append", default=[], help="name=static,args (after BK)")
     ap.add_argument("--shapes", default="ref,fleet")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--state", choices=("queued", "cool", "hot"), default="queued",
+                    help="GPU state of each timing: as queued, after idle, or sustained")
     ap.add_argument("--no-shipped", action="store_true", help="variants only (for ncu)")
     ap.add_argument("--atomic-only", action="store_true", help="skip deterministic=True")
     ap.add_argument("--check-indices", action="store_true",
@@ -213,8 +250,9 @@ def main():
     ap.add_argument("--unfused", action="store_true",
                     help="atomic backward also with the separate preprocess (A/B of the fused one)")
     args = ap.parse_args()
-    global CHECK, UNFUSED
+    global CHECK, UNFUSED, STATE
     CHECK = args.check_indices
+    STATE = args.state
     UNFUSED = args.unfused
     providers = {"shipped": interface.TileLangKernels()}
     do_fwd, do_bwd = {}, {}
