@@ -180,8 +180,8 @@ def test_forward_consumers_take_alternate_blocks():
     """The 64-head forward (``sparse_fwd._warp_specialized``, consumers on alternate key blocks):
     each consumer multiplies its own ``P`` from registers (an RS wgmma each), the producer reads
     the indices only in its two row loads per pair (``async_copy.load_key_rows``, both blocks'
-    rows ahead of the pair's first wait), its registers are handed over as asked (224 / 224 /
-    56), and
+    rows ahead of the pair's first wait), its registers are handed over as asked (224 / 224 / 56,
+    216 / 216 / 72 with ``consumer_regs=216``: the knob reaches the kernel), and
     ``scale2`` is set before the warpgroups split: run 74 set it in warpgroup 0's branch only,
     and warpgroup 1's softmax weights came out NaN."""
     (name, args), = [(n, a) for n, a in SPECS if n == "fwd"]
@@ -192,6 +192,19 @@ def test_forward_consumers_take_alternate_blocks():
     producer = src[src.index("warpgroup_reg_dealloc"):]
     assert producer.count("Indices[") == 2
     assert re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src) == ["224", "224", "56"]
+    src216 = _lower(name, args + (64, 256, 1, True, True, 216)).kernel_source
+    assert re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src216) == ["216", "216", "72"]
+
+
+@pytest.mark.parametrize("regs", [160, 220, 248])
+def test_forward_consumer_regs_outside_the_register_file_are_refused(regs):
+    """``consumer_regs`` below 168 (the launch's share) or above 240 (a producer below 24) or off
+    the multiples of 8 would give ``setmaxnreg`` values that hang or are illegal (run 56: a raise
+    above what the others gave back waited forever); the builder refuses them."""
+    from paddlefleet.tilelang_ops.attn.kernels import sparse_fwd
+
+    with pytest.raises(AssertionError, match="consumer_regs"):
+        sparse_fwd._warp_specialized(64, 576, 512, 64, True, regs)
 
 
 def _guarded(src, access, guards, before=600):

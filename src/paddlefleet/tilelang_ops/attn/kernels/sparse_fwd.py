@@ -93,8 +93,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
         row_extent: (64-head schedule) walk a row only up to its last slot with a key, rows
             last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
-        consumer_regs: (64-head schedule) ``setmaxnreg`` of each consumer thread; the producer
-            gets the rest of the 384 threads' share (``504 - 2 consumer_regs``).
+        consumer_regs: (64-head schedule) ``setmaxnreg`` of each consumer thread, a multiple of
+            8 in ``[168, 240]``; the producer gets the rest, ``504 - 2 x consumer_regs``.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -217,7 +217,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
       warpgroup 0's RS), buffer 1's right half and tail (after warpgroup 1's RS), buffer 0's
       right half and tail, buffer 1's left half (after the SS ones).  Block 0 is gathered
       after the prologue: sent out beside the query tile it made the forward 1-2% slower (run
-      80; its loads compete with the query tile's, which the consumers need first).
+      80; probably its loads delay the query tile's, which the consumers need first).
 
     Warpgroup 1's score GEMM (at the shared-memory rate) runs under warpgroup 0's softmax and
     ``P V``, warpgroup 0's under warpgroup 1's ``P V``, and both do the same tensor work.  This
@@ -230,8 +230,11 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     as in :func:`sparse_fwd`.
 
     Registers (``setmaxnreg``): 224 per consumer thread, 56 for the producer (ptxas: no spill;
-    at 208 the consumers spill; 224 measured 1-2% faster than 216 / 72 in run 79).  Each pair's ``O_l += P_1 V_1`` is issued at the top of the next pair
-    (the final pair's after the loop), not at the end of its own: a wgmma in flight across the
+    at 208 the consumers spill).  Against 216 / 72 (runs 79-80, same process, per round):
+    0.6-1.7% faster at ``ref`` cool and 1.3-2.6% at ``h128`` hot, from 0.2% slower to 1.3%
+    faster at ``ref`` hot, from 10% faster to 5.7% slower at ``h128`` cool.  Each pair's ``O_l += P_1 V_1`` is
+    issued at the top of the next pair (the final pair's after the loop), not at the end of its
+    own: a wgmma in flight across the
     loop's back edge made ptxas serialise every wgmma of the kernel (its warning C7514).  The
     query tile is loaded with 16-byte ``cp.async`` by all 384 threads before the split (a
     ``T.copy`` by 384 threads lowered to two-byte loads, run 24).  With ``row_extent`` every
@@ -239,6 +242,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     after it add nothing), and the rows go last-first (``row_blocks``).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
+    # setmaxnreg takes multiples of 8 in [24, 256]; the three warpgroups share 3 x 168 (65536
+    # registers / 384 threads, rounded down to 8), and a raise above what the others give back
+    # waits forever (run 56)
+    assert consumer_regs % 8 == 0 and 168 <= consumer_regs <= 240, "consumer_regs: 168..240"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -473,7 +480,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.copy(acc_o1, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
             else:
-                T.set_max_nreg(504 - 2 * consumer_regs, 0)  # 65536 / 384 per thread, x 3
+                T.set_max_nreg(504 - 2 * consumer_regs, 0)  # the rest of 3 x 168
                 t = tx - 2 * WG
                 for i in T.serial(T.ceildiv(NB, 2)):
                     par = i & 1
