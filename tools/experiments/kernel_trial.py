@@ -10,16 +10,17 @@ printed lines go into docs/performance.md.
         --bwd "rowmajor=256,1,128,False,False" --shapes ref,fleet --reps 10
 
 ``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)`` (block_k,
-threads, num_stages, warp_specialized, row_extent);
+threads, num_stages, warp_specialized, row_extent, consumer_regs);
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
 wg0_chunks, overlap, w1_right, row_extent; ``None`` is the kernel's default; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
 chunk per block on its scores warpgroup).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--state cool`` times each
-call after 1.5 s of idle (the boost clock), ``--state hot`` after 1.5 s of back-to-back calls
-(the clock at the power limit, as in training); compare variants in both (run 79), with the
-shapes repeated so that the providers alternate.  ``--no-shipped --atomic-only``
+call after 1.5 s of idle (the boost clock), ``--state hot`` as the mean per call over 1 s after
+1.5 s of back-to-back calls (the clock at the power limit; ``--reps`` does not apply); compare
+variants in both (run 80), with the shapes repeated: each repeat runs the providers in the
+reverse order of the one before.  ``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
 checks on (off by default: kernels and host only).  ``--unfused`` times the atomic backward
 twice per provider, with the preprocess fused into the 64-head main kernel
@@ -117,6 +118,8 @@ IDLE_S, WARM_S, HOT_S = 1.5, 1.5, 1.0
 
 def _hot_ms(fn):
     def busy(seconds):
+        # a sync every 4 calls keeps the queue short enough to stop on time; its host gaps
+        # (~1%) are the same for every variant
         n, t = 0, time.time()
         while time.time() - t < seconds:
             for _ in range(4):
@@ -134,8 +137,9 @@ def _hot_ms(fn):
 
 
 def median_ms(fn, reps):
-    """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock), or in
-    the ``--state hot`` the mean per call of sustained calls."""
+    """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock), after
+    ``IDLE_S`` of idle in the ``--state cool``; in the ``--state hot`` the mean per call of
+    sustained calls (``reps`` unused)."""
     if STATE == "hot":
         return _hot_ms(fn)
     if STATE == "cool":
@@ -160,20 +164,17 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
     idx = torch.from_numpy(causal_topk_indices(B, S, SKV, K, seed=0)).cuda()
     sink = torch.randn((H,), generator=g, device="cuda")
     sm = DK ** -0.5
-    base_out = None
+    # the shipped kernels' forward: what every forward is compared with and the backward's input
+    base_out = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False)
     for pname, prov in providers.items():
         if not do_fwd.get(pname, True):
             continue
         f = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=CHECK,
                                                     provider=prov)
         out, lse = f()
-        if base_out is None:
-            base_out = (out, lse)
         ms = median_ms(f, reps)
         print(f"[{name}] fwd {pname}: {ms:.3f} ms, out rel {rel(out.float(), base_out[0].float()):.2e},"
               f" lse max|d| {(lse - base_out[1]).abs().max().item():.2e}", flush=True)
-    if base_out is None:
-        base_out = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False)
     out, lse = base_out
     base = {}
     shipped_fused = interface.FUSED_PREPROCESS
@@ -270,8 +271,10 @@ def main():
         providers.pop("shipped")
     dets = (False,) if args.atomic_only else (True, False)
     precompile(providers)
-    for name in args.shapes.split(","):
-        run_shape(name, providers, do_fwd, do_bwd, args.reps, dets)
+    for i, name in enumerate(args.shapes.split(",")):
+        # the order flips at every shape, so that a repeated shape is a round the other way
+        order = list(providers.items())
+        run_shape(name, dict(order[::-1] if i % 2 else order), do_fwd, do_bwd, args.reps, dets)
 
 
 if __name__ == "__main__":
