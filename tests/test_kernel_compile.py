@@ -546,3 +546,30 @@ def test_atomic_preprocess_has_no_fp64():
     assert "DO2" not in plain and "double" not in plain
     for name in ("Delta[", "Lse2[", "DSink[", "tl::AllReduce<tl::SumOp, 16, 1, 0"):
         assert name in plain
+
+
+@pytest.mark.parametrize("rows_per_warp", [8, 4, 2])
+def test_red_pieces_microbenchmark_lowers(rows_per_warp, monkeypatch):
+    """``tools/experiments/red_pieces.py`` (the L2's rate for 16-byte fp32 atomics by piece size
+    per row) lowers for sm_90a: one ``AtomicAddx4`` per lane and piece, its columns
+    ``4 (lane % (32 / G))`` within a piece of ``512 / G`` bytes, the rows guarded by ``R``."""
+    import sys
+
+    from paddlefleet.tilelang_ops import settings as st
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools/experiments"))
+    sys.modules.pop("red_pieces", None)
+    import red_pieces
+
+    tilelang = st.import_tilelang()
+    from tilelang import tvm
+
+    jk = red_pieces.red_pieces
+    with tvm.transform.PassContext(opt_level=3, config=jk.pass_configs), \
+            tvm.target.Target(st.TARGET):
+        src = tilelang.lower(jk.get_tir(rows_per_warp), target=st.TARGET).kernel_source
+    lanes = 32 // rows_per_warp
+    assert src.count("AtomicAddx4(") == 1
+    assert f"for (int p = 0; p < {576 // (4 * lanes)}; ++p)" in src
+    assert f"(int64_t){4 * lanes})" in src  # the piece's stride along the row
+    assert "< R)" in src
