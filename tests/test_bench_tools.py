@@ -532,3 +532,16 @@ def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
     assert harness.source_digest(str(tmp_path)) != first
     meta = dict(META, sources=first)
     assert f"commit abc, sources {first}; peak" in harness.run_line(meta)
+
+
+def test_trial_repeats_of_a_shape_take_the_providers_the_other_way(monkeypatch):
+    """``kernel_trial --shapes ref,h128,ref,h128``: a provider timed right after another
+    inherits the GPU's clock state from it, so every repeat of a shape reverses its previous
+    order (a flip by position alone kept both shapes' order here, found by a review)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools" / "experiments"))
+    import kernel_trial
+
+    got = kernel_trial.provider_orders(["ref", "h128", "ref", "h128", "ref"], ["a", "b", "c"])
+    assert got == [("ref", ["a", "b", "c"]), ("h128", ["a", "b", "c"]),
+                   ("ref", ["c", "b", "a"]), ("h128", ["c", "b", "a"]),
+                   ("ref", ["a", "b", "c"])]

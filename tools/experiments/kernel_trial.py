@@ -13,14 +13,21 @@ printed lines go into docs/performance.md.
 threads, num_stages, warp_specialized, row_extent, consumer_regs);
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right, row_extent; ``None`` is the kernel's default; ``...,False`` gives
+wg0_chunks, overlap, w1_right, row_extent; ``None`` is the kernel's default for the knobs whose
+default is ``None``: give ``row_extent`` (default ``True``) and ``consumer_regs`` (224) as
+values, ``None`` there means ``False`` / fails; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
 chunk per block on its scores warpgroup).  Above, the plain
-forward and the row-major dKV chunks, both replaced in run 24.  ``--state cool`` times each
-call after 1.5 s of idle (the boost clock), ``--state hot`` as the mean per call over 1 s after
-1.5 s of back-to-back calls (the clock at the power limit; ``--reps`` does not apply); compare
-variants in both (run 80), with the shapes repeated: each repeat runs the providers in the
-reverse order of the one before.  ``--no-shipped --atomic-only``
+forward and the row-major dKV chunks, both replaced in run 24.  ``--state`` sets the GPU's state
+for each timing: ``queued`` (default) as the previous calls left it; ``cool`` starts each
+timing (1 warm-up and ``--reps`` calls, median) after 1.5 s of idle (the boost clock); ``hot``
+takes the mean per call over 1 s after 1.5 s of back-to-back calls (the clock at the power
+limit; ``--reps`` does not apply).  Each timing prints `` at N MHz``, the median SM clock
+(NVML) while its calls ran, where NVML can be read.  Compare variants in both states (run 80),
+with the shapes repeated: every repeat of a shape runs the providers in the reverse order of
+its previous one (``provider_orders``).  Run from the repository root (``src`` and
+``tools/bench`` are put on ``sys.path`` relative to it); needs a CUDA GPU.
+``--no-shipped --atomic-only``
 leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
 checks on (off by default: kernels and host only).  ``--unfused`` times the atomic backward
 twice per provider, with the preprocess fused into the 64-head main kernel
@@ -254,12 +261,27 @@ def precompile(providers, jobs=16):
     print(f"[precompile] {len(keys)} kernels in {time.time() - t:.1f}s", flush=True)
 
 
+def provider_orders(shapes, names):
+    """``(shape, provider names)`` per entry of ``shapes``: a shape's every repeat takes the
+    providers in the reverse order of its previous one, so that repeats are rounds the other
+    way (a provider timed right after another inherits the GPU's state from it)."""
+    seen = {}
+    out = []
+    for shape in shapes:
+        k = seen.get(shape, 0)
+        seen[shape] = k + 1
+        out.append((shape, list(names)[::-1] if k % 2 else list(names)))
+    return out
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--fwd", action="append", default=[], help="name=static,args (after Dv)")
     ap.add_argument("--bwd", action="append", default=[], help="name=static,args (after BK)")
-    ap.add_argument("--shapes", default="ref,fleet")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--shapes", default="ref,fleet",
+                    help="comma-separated, repeats allowed; one of " + ", ".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per timing (not hot)")
     ap.add_argument("--state", choices=("queued", "cool", "hot"), default="queued",
                     help="GPU state of each timing: as queued, after idle, or sustained")
     ap.add_argument("--no-shipped", action="store_true", help="variants only (for ncu)")
@@ -269,6 +291,10 @@ def main():
     ap.add_argument("--unfused", action="store_true",
                     help="atomic backward also with the separate preprocess (A/B of the fused one)")
     args = ap.parse_args()
+    shapes = args.shapes.split(",")
+    unknown = [n for n in shapes if n not in SHAPES]
+    if unknown:  # before the minute of precompiling
+        ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     global CHECK, UNFUSED, STATE
     CHECK = args.check_indices
     STATE = args.state
@@ -289,10 +315,8 @@ def main():
         providers.pop("shipped")
     dets = (False,) if args.atomic_only else (True, False)
     precompile(providers)
-    for i, name in enumerate(args.shapes.split(",")):
-        # the order flips at every shape, so that a repeated shape is a round the other way
-        order = list(providers.items())
-        run_shape(name, dict(order[::-1] if i % 2 else order), do_fwd, do_bwd, args.reps, dets)
+    for name, order in provider_orders(shapes, providers):
+        run_shape(name, {n: providers[n] for n in order}, do_fwd, do_bwd, args.reps, dets)
 
 
 if __name__ == "__main__":

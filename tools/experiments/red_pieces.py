@@ -13,8 +13,9 @@ group distinct keys (slices of permutations, as one query row's slots are).
     source tools/gpu_env.sh
     python3 tools/experiments/red_pieces.py [--rows 8388608] [--s-kv 8192] [--reps 5]
 
-Prints ms and payload TB/s per ``G``.  The values are made in registers from the row and
-column (no HBM read besides the indices).
+Prints ms and payload TB/s per ``G`` (``rows_per_warp=G piece=512/G B``).  The values are made
+in registers from the row and column (no HBM read besides the indices).  Run from the
+repository root (``src`` is put on ``sys.path`` relative to it); needs a CUDA GPU.
 """
 import argparse
 import sys
@@ -62,10 +63,12 @@ def red_pieces(rows_per_warp: int, d_k: int = DK, threads: int = 256):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=4096 * 2048)
-    ap.add_argument("--s-kv", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4096 * 2048,
+                    help="rows added (S * topk; ref: 4096 * 2048)")
+    ap.add_argument("--s-kv", type=int, default=8192, help="key rows of the accumulator")
+    ap.add_argument("--reps", type=int, default=5, help="timed launches per G (median)")
     args = ap.parse_args(argv)
     import torch
 
