@@ -232,10 +232,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     Registers (``setmaxnreg``): 224 per consumer thread, 56 for the producer (ptxas: no spill;
     at 208 the consumers spill).  Against 216 / 72 (runs 79-80, same process, per round):
     0.6-1.7% faster at ``ref`` cool and 1.3-2.6% at ``h128`` hot, from 0.2% slower to 1.3%
-    faster at ``ref`` hot, from 10% faster to 5.7% slower at ``h128`` cool.  Each pair's ``O_l += P_1 V_1`` is
-    issued at the top of the next pair (the final pair's after the loop), not at the end of its
-    own: a wgmma in flight across the
-    loop's back edge made ptxas serialise every wgmma of the kernel (its warning C7514).  The
+    faster at ``ref`` hot, from 10% faster to 5.7% slower at ``h128`` cool.  Each pair's
+    ``O_l += P_1 V_1`` is issued at the top of the next pair (the final pair's after the loop),
+    not at the end of its own: a wgmma in flight across the loop's back edge made ptxas
+    serialise every wgmma of the kernel (its warning C7514).  The
     query tile is loaded with 16-byte ``cp.async`` by all 384 threads before the split (a
     ``T.copy`` by 384 threads lowered to two-byte loads, run 24).  With ``row_extent`` every
     role walks the row's blocks only up to the one holding its last slot with a key (the blocks
