@@ -31,6 +31,20 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+def finite_shift(m):
+    """The shift for a running max ``m``: ``m``, or 0 where no valid key came yet (``m = -inf``),
+    so that no ``-inf - -inf`` (NaN) is formed; the scores and the previous max are then
+    ``-inf`` and exp2 gives 0."""
+    return T.if_then_else(m == -T.infinity("float32"), 0.0, m)
+
+
+@T.macro
+def scale_rows(acc, factor):
+    """``acc [M, N] *= factor [M]`` row by row (the online softmax's rescaling)."""
+    for h, d in T.Parallel(*acc.shape):
+        acc[h, d] = acc[h, d] * factor[h]
+
+
 @T.macro
 def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift, scale2,
                  start=None):
@@ -46,9 +60,7 @@ def softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
     T.reduce_max(acc_s, row_max, dim=1, clear=False)
     for h in T.Parallel(M):
         row_max[h] = T.max(row_max[h], row_max_prev[h])
-        # no valid key yet (m = -inf): shift by 0 instead, so that no -inf - -inf (NaN) is
-        # formed; the scores and the previous max are -inf, exp2 gives 0
-        m_shift[h] = T.if_then_else(row_max[h] == -T.infinity("float32"), 0.0, row_max[h])
+        m_shift[h] = finite_shift(row_max[h])
         alpha[h] = T.exp2((row_max_prev[h] - m_shift[h]) * scale2[0])
     for h, j in T.Parallel(M, BK):
         acc_s[h, j] = T.exp2((acc_s[h, j] - m_shift[h]) * scale2[0])
@@ -179,14 +191,12 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
 
                 softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
                              scale2)
-                for h, d in T.Parallel(M, D):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                scale_rows(acc_o, alpha)
                 T.copy(acc_s, P_shared)
                 T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag)
-            for h, d in T.Parallel(M, D):
-                acc_o[h, d] = acc_o[h, d] * alpha[h]
+            scale_rows(acc_o, alpha)
             T.copy(acc_o, O_shared)
             T.copy(O_shared, O[b_i, s_i, h0:h0 + M, :])
             T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
@@ -389,8 +399,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     for h in T.Parallel(M):
                         m_shared[h] = row_max[h]
                     T.barrier_arrive(m0_ready[0])
-                    for h, d in T.Parallel(M, DH):
-                        acc_o0[h, d] = acc_o0[h, d] * alpha[h]
+                    scale_rows(acc_o0, alpha)
                     T.copy(acc_s0, p_0)
                     T.wgmma_gemm(p_0, K_l0, acc_o0)
                     T.wait_wgmma(0)
@@ -399,18 +408,15 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     # the pair's max from warpgroup 1: P_0 and what is summed so far move to it
                     T.barrier_wait(m1_ready[0], i & 1)
                     for h in T.Parallel(M):
-                        m_shift[h] = T.if_then_else(m_shared[h] == -T.infinity(acc_t), 0.0,
-                                                    m_shared[h])
+                        m_shift[h] = finite_shift(m_shared[h])
                         alpha[h] = T.exp2((row_max[h] - m_shift[h]) * scale2[0])
                         row_max[h] = m_shared[h]
                         row_sum[h] = row_sum[h] * alpha[h]
-                    for h, j in T.Parallel(M, BK):
-                        acc_s0[h, j] = acc_s0[h, j] * alpha[h]
+                    scale_rows(acc_s0, alpha)
                     T.copy(acc_s0, P_0)
                     T.fence_proxy_async()  # P_0 is read by warpgroup 1's wgmma
                     T.barrier_arrive(p0_ready[0])
-                    for h, d in T.Parallel(M, DH):
-                        acc_o0[h, d] = acc_o0[h, d] * alpha[h]
+                    scale_rows(acc_o0, alpha)
                     if 2 * i + 1 < NB:
                         T.barrier_wait(p1_ready[0], i & 1)
                 # the final pair's P_1 V_1 (NB >= 1: row_key_blocks, or L >= BK from the host)
@@ -424,8 +430,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     row_sum[h] = row_sum[h] + sum_shared[h]
                 fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
                 T.barrier_arrive(fin_ready[0])
-                for h, d in T.Parallel(M, DH):
-                    acc_o0[h, d] = acc_o0[h, d] * alpha[h]
+                scale_rows(acc_o0, alpha)
                 T.copy(acc_o0, O_l)
                 T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
                 T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
@@ -455,8 +460,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     for h in T.Parallel(M):
                         m_shared[h] = row_max1[h]
                     T.barrier_arrive(m1_ready[0])
-                    for h, d in T.Parallel(M, DH):
-                        acc_o1[h, d] = acc_o1[h, d] * alpha1[h]
+                    scale_rows(acc_o1, alpha1)
                     if 2 * i + 1 < NB:
                         T.copy(acc_s1, p_1)
                         T.wgmma_gemm(p_1, K_r1, acc_o1)
@@ -475,8 +479,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     sum_shared[h] = row_sum1[h]
                 T.barrier_arrive(sum_ready[0])
                 T.barrier_wait(fin_ready[0], 0)
-                for h, d in T.Parallel(M, DH):
-                    acc_o1[h, d] = acc_o1[h, d] * alpha_shared[h]
+                scale_rows(acc_o1, alpha_shared)
                 T.copy(acc_o1, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
             else:
