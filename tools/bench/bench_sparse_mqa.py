@@ -217,6 +217,15 @@ def nvml_reader(torch):
         pci_bus_id=f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
 
 
+def sampled_calls(torch, clock, fn, inputs, warmup, reps) -> tuple[list, dict]:
+    """:func:`harness.time_calls` and the GPU's median SM clock and board power while they ran
+    (``{"sm_mhz": MHz, "power_w": W}``, None where NVML cannot be read): the clock falls from
+    1980 to ~1750 MHz at the H200's power limit under sustained load, and the times with it."""
+    with harness.GpuSampler(nvml_reader(torch) if clock.cuda else None) as gpu:
+        times = harness.time_calls(clock, fn, inputs, warmup, reps)
+    return times, gpu.fields()
+
+
 def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
     """First call (compile + run, wall s), then the timed calls with the GPU's median SM clock
     (``sm_mhz``, MHz) and board power (``power_w``, W) while they ran; peak memory on the GPU;
@@ -230,10 +239,8 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
     fn(inputs[0])
     clock.sync()
     res = {"first_call_s": time.perf_counter() - t0}
-    # the clock falls from 1980 to ~1750 MHz at the H200's power limit under sustained load
-    with harness.GpuSampler(nvml_reader(torch) if clock.cuda else None) as gpu:
-        times = harness.time_calls(clock, fn, inputs, warmup, reps)
-    res.update(harness.summarize(times), **gpu.fields())
+    times, gpu = sampled_calls(torch, clock, fn, inputs, warmup, reps)
+    res.update(harness.summarize(times), **gpu)
     if clock.cuda:
         peak = torch.cuda.max_memory_allocated()
         res.update(peak_mem_mb=peak / 1e6, extra_mem_mb=(peak - base) / 1e6)

@@ -166,6 +166,11 @@ class GpuSampler:
         return {"sm_mhz": self.sm_mhz, "power_w": self.power_w}
 
 
+def clock_note(mhz: float | None) -> str:
+    """`` at N MHz`` for a printed timing, or nothing where the clock is unknown."""
+    return f" at {mhz:.0f} MHz" if mhz is not None else ""
+
+
 # --- result rows -------------------------------------------------------------------------------
 
 #: Keys of every row (results.json rows, results.csv columns); the meta ones repeat on each row

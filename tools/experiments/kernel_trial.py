@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, "src")
 sys.path.insert(0, "tools/bench")
 import harness  # noqa: E402
-from bench_sparse_mqa import nvml_reader  # noqa: E402
+from bench_sparse_mqa import nvml_reader, sampled_calls  # noqa: E402
 import model  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
@@ -145,32 +145,19 @@ def _hot_ms(fn):
     return e0.elapsed_time(e1) / n, gpu.sm_mhz
 
 
-#: the median SM clock (MHz, NVML) of the last :func:`median_ms`, or None
-LAST_MHZ = None
-
-
-def clock_note():
-    return f" at {LAST_MHZ:.0f} MHz" if LAST_MHZ is not None else ""
-
-
 def median_ms(fn, reps):
-    """Median of ``reps`` calls after one warm-up (CUDA events, the benchmark's clock), after
-    ``IDLE_S`` of idle in the ``--state cool``; in the ``--state hot`` the mean per call of
-    sustained calls (``reps`` unused)."""
-    global LAST_MHZ
+    """``(ms, SM MHz)``: the median of ``reps`` calls after one warm-up (CUDA events, the
+    benchmark's clock), after ``IDLE_S`` of idle in the ``--state cool``; in the ``--state hot``
+    the mean per call of sustained calls (``reps`` unused).  The clock (NVML, None where it
+    cannot be read) is the median while the timed calls ran, as the benchmark's rows record it:
+    cool rounds of one shape ranged 4.05-4.54 ms at h128 (runs 79-80) with no clock beside."""
+    if STATE == "hot":
+        return _hot_ms(fn)
     if STATE == "cool":
         torch.cuda.synchronize()
         time.sleep(IDLE_S)
-    # the clock while the timed calls ran (the benchmark's rows record it too): cool rounds of
-    # one shape ranged 4.05-4.54 ms at h128 (runs 79-80) with no clock to tell them apart
-    if STATE == "hot":
-        ms, LAST_MHZ = _hot_ms(fn)
-        return ms
-    with harness.GpuSampler(nvml_reader(torch)) as gpu:
-        ms = harness.summarize(harness.time_calls(harness.Clock(torch), lambda _: fn(), [None], 1,
-                                                  reps))["ms"]
-    LAST_MHZ = gpu.sm_mhz
-    return ms
+    times, gpu = sampled_calls(torch, harness.Clock(torch), lambda _: fn(), [None], 1, reps)
+    return harness.summarize(times)["ms"], gpu["sm_mhz"]
 
 
 def rel(a, b):
@@ -196,8 +183,8 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
         f = lambda: interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=CHECK,
                                                     provider=prov)
         out, lse = f()
-        ms = median_ms(f, reps)
-        print(f"[{name}] fwd {pname}: {ms:.3f} ms{clock_note()}, out rel {rel(out.float(), base_out[0].float()):.2e},"
+        ms, mhz = median_ms(f, reps)
+        print(f"[{name}] fwd {pname}: {ms:.3f} ms{harness.clock_note(mhz)}, out rel {rel(out.float(), base_out[0].float()):.2e},"
               f" lse max|d| {(lse - base_out[1]).abs().max().item():.2e}", flush=True)
     out, lse = base_out
     base = {}
@@ -219,9 +206,9 @@ def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
                 same_qs = torch.equal(r1[0], r2[0]) and torch.equal(r1[2], r2[2])
                 base.setdefault(det, r1)
                 o = base[det]
-                ms = median_ms(f, reps)
+                ms, mhz = median_ms(f, reps)
                 tag = f" fused={fused}" if both else ""
-                print(f"[{name}] bwd {pname} det={det}{tag}: {ms:.3f} ms{clock_note()}, "
+                print(f"[{name}] bwd {pname} det={det}{tag}: {ms:.3f} ms{harness.clock_note(mhz)}, "
                       f"repeat-bitwise={same}"
                       f" (dq, dsink: {same_qs}), vs first: dq {rel(r1[0], o[0]):.2e} dkv "
                       f"{rel(r1[1].float(), o[1].float()):.2e} dsink {rel(r1[2], o[2]):.2e} "

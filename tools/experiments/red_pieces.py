@@ -13,15 +13,19 @@ group distinct keys (slices of permutations, as one query row's slots are).
     source tools/gpu_env.sh
     python3 tools/experiments/red_pieces.py [--rows 8388608] [--s-kv 8192] [--reps 5]
 
-Prints ms and payload TB/s per ``G`` (``rows_per_warp=G piece=512/G B``).  The values are made
-in registers from the row and column (no HBM read besides the indices).  Run from the
-repository root (``src`` is put on ``sys.path`` relative to it); needs a CUDA GPU.
+Prints ms (the benchmark's timing: CUDA events per launch, median) and payload TB/s per ``G``
+(``rows_per_warp=G piece=512/G B``), with the median SM clock while the launches ran.  The
+values are made in registers from the row and column (no HBM read besides the indices).  Run
+from the repository root (``src`` and ``tools/bench`` are put on ``sys.path`` relative to it);
+needs a CUDA GPU.
 """
 import argparse
 import sys
 import time
 
 sys.path.insert(0, "src")
+sys.path.insert(0, "tools/bench")
+import harness  # noqa: E402
 from paddlefleet.tilelang_ops import settings  # noqa: E402
 
 tilelang = settings.import_tilelang()
@@ -71,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="timed launches per G (median)")
     args = ap.parse_args(argv)
     import torch
+    from bench_sparse_mqa import sampled_calls
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_perm = -(-args.rows // args.s_kv)
@@ -83,19 +88,11 @@ def main(argv=None):
         t = time.time()
         kernel = red_pieces(g)
         print(f"[build] rows_per_warp={g}: {time.time() - t:.1f}s", flush=True)
-        kernel(idx, acc)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            kernel(idx, acc)
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-        ms = sorted(times)[len(times) // 2]
-        print(f"rows_per_warp={g} piece={512 // g} B: {ms:.3f} ms, {gb / ms:.2f} TB/s payload",
-              flush=True)
+        times, gpu = sampled_calls(torch, harness.Clock(torch), lambda _: kernel(idx, acc),
+                                   [None], 1, args.reps)
+        ms = harness.summarize(times)["ms"]
+        print(f"rows_per_warp={g} piece={512 // g} B: {ms:.3f} ms, {gb / ms:.2f} TB/s payload"
+              f"{harness.clock_note(gpu['sm_mhz'])}", flush=True)
 
 
 if __name__ == "__main__":
