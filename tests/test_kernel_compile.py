@@ -74,7 +74,8 @@ def _specs():
         if name == "bwd_pre":  # natural
             return name, args[1]
         # bwd_main: (tile, mode, with dQ) and, fused, (fused, natural)
-        return (name, args[0] if name == "fwd" else (args[0], args[3], args[4]) + args[15:]
+        fused_at = 6 + len(kernels.MAIN_KNOB_DEFAULTS)  # after the key block and the knobs
+        return (name, args[0] if name == "fwd" else (args[0], args[3], args[4]) + args[fused_at:]
                 if name == "bwd_main" else None)
 
     by_tag = {tag(n, a): (n, a) for n, a in kernels.specs()}
@@ -353,45 +354,65 @@ def test_compiled_kernel_has_the_merge_off(name, args):
 @pytest.mark.parametrize("mode", ["exact", "atomic"])
 def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     """The 64-head first pass adds each 64-column dKV chunk from the accumulator of the
-    warpgroup that computed it (``sparse_bwd.two_warpgroup_schedule``: with two chunks on
-    warpgroup 0, the right half's last chunk and the rope tail there, the left half's loop and
-    the right half's on warpgroup 1; with none, warpgroup 1 adds all nine), each thread's
-    fragment as it is
-    (no lane exchange) at the permuted columns of ``tiling.dkv_column``, with the 16-byte
-    atomics; a dropped or misplaced scatter leaves a wrong dKV and no error.  The two
-    warpgroups synchronise through mbarriers and 128-thread named barriers only: a CTA-wide
-    barrier inside one warpgroup's branch would hang."""
+    warpgroup that computed it, at the permuted columns of ``tiling.dkv_column``, with the
+    16-byte atomics (``sparse_bwd.two_warpgroup_schedule``).  Exact mode: two chunks on
+    warpgroup 0 (the right half's last, the rope tail), the left half's loop and the right
+    half's on warpgroup 1, each lane's own float4s (four lanes per key row).  Atomic mode: the
+    rope tail on warpgroup 0, warpgroup 1's eight chunks unrolled over two accumulators
+    (``overlap``), eight lanes per key row (lanes ``t`` and ``t ^ 4`` trade half of their
+    float4s, and each other's slot).  A dropped or misplaced scatter leaves a wrong dKV and no
+    error.  The two warpgroups synchronise through mbarriers and 128-thread named barriers only:
+    a CTA-wide barrier inside one warpgroup's branch would hang."""
     from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
 
-    wg0_chunks, overlap, _ = two_warpgroup_schedule(mode)
-    assert not overlap
+    schedule = two_warpgroup_schedule(mode)
+    assert schedule == ((2, False, False, 4) if mode == "exact" else (1, True, False, 8))
+    wg0_chunks, overlap, _, row_lanes = schedule
     src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
     branch = src.index("if (((int)threadIdx.x) < 128)")
-    w1 = re.search(r"w1_e0\[\w+\] = ", src).start()
-    sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[[^;]*slot\[", src)]
-    if wg0_chunks == 2:
-        # warpgroup 0: two chunks (the right half's last, the rope tail); warpgroup 1: seven,
-        # in two loops
-        w0 = re.search(r"w0_e0\[\w+\] = ", src).start()
-        assert len(sites) == 4 and branch < w0 < sites[0] < sites[1] < w1 < sites[2], sites
+    wg1 = src.index("pds_full[0].wait(")
+
+    def stmt(i):
+        return src[i:src.index(";", i)]
+
+    sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[", src)]
+    w0 = [i for i in sites if branch < i < wg1]
+    w1 = [i for i in sites if i > wg1]
+    assert len(w0) + len(w1) == len(sites)
+    # lane t adds at 16 c + 4 (t % 4) (+ 16 for the odd quad of a pair: 4 (t % 8))
+    lane = "& (int64_t)3) * (int64_t)4)" if row_lanes == 4 else "& (int64_t)7) * (int64_t)4)"
+    assert all(lane in stmt(i) for i in sites)
+    if row_lanes == 4:
+        assert len(w0) == 2 and len(w1) == 2, (w0, w1)  # one loop (or site) per macro call
+        assert all("slot[" in stmt(i) for i in sites)
+        assert "__shfl_xor_sync((uint)4294967295, condval" not in src
     else:
-        # warpgroup 1 adds all nine: the two halves' loops and the rope tail
-        assert "w0_e0[" not in src
-        assert len(sites) == 3 and branch < w1 < sites[0], sites
-    # each lane adds its own float4 at 16 c + 4 (lane % 4): no values cross lanes
-    assert "__shfl_xor_sync((uint)4294967295, condval" not in src and all(
-        "((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)4)" in src[i:src.index(";", i)]
-        for i in sites)
-    # the four copies are the wgmma fragment's columns 2 q + {0, 1, 8, 9} of each 16 (local
-    # indices 8 c + 2 h + {0, 1, 4, 5}), each warpgroup's from its own accumulator (one fragment
-    # for both once made TileLang drop one warpgroup's loops)
-    copies = set(re.findall(r"(w[01])_e([0-3])\[(\w+)\] = (acc_w[01]b?)\[\(?\(\(\(\3 & 3\) \* 8\) "
-                            r"\+ \(\(\3 >> 2\) \* 2\)\)( \+ [145]\))?\]", src))
-    got = {(w, e, acc, off) for w, e, _, acc, off in copies}
-    offs = {"0": "", "1": " + 1)", "2": " + 4)", "3": " + 5)"}
-    pairs = (("w0", "acc_w0"), ("w1", "acc_w1")) if wg0_chunks else (("w1", "acc_w1"),)
-    want = {(w, e, acc, offs[e]) for w, acc in pairs for e in "0123"}
-    assert got == want, sorted(got ^ want)
+        def col(i):
+            m = re.search(r"\+ \(int64_t\)(\d+)\)\]\)\), \(&\(r4\[0\]\)", stmt(i))
+            return int(m.group(1)) if m else 0
+
+        # two atomics per row pair and chunk (the even quad's row, then the odd one's): the
+        # tail on warpgroup 0, warpgroup 1's chunks one after another
+        assert [col(i) for i in w0] == [512, 512]
+        assert [col(i) for i in w1] == [c for c in range(0, 512, 64) for _ in (0, 1)]
+        assert all(re.search(r"row_[eo](_\d+)?\) \* \(int64_t\)576", stmt(i)) for i in sites)
+        # one exchange per chunk (4 floats by lane t ^ 4), the partner's slots once per block
+        assert len(re.findall(r"r4\[\(\w+ \+ 12\)\] = __shfl_xor_sync\(\(uint\)4294967295, "
+                              r"condval_\d+, 4, 32\)", src)) == len(sites) // 2
+        assert len(re.findall(r"slot\[\((\w+) \+ 2\)\] = __shfl_xor_sync\(\(uint\)4294967295, "
+                              r"slot\[\1\], 4, 32\)", src)) == 2
+    # the copies are the wgmma fragment's columns 2 q + {0, 1, 8, 9} of each 16: local indices
+    # 8 c + 2 h + {0, 1, 4, 5} (four lanes per row), or, eight lanes per row, those of the even
+    # and of the odd 16-column groups apart, 16 k + 2 h + {0, 1, 4, 5} and + 8: each warpgroup's
+    # from its own accumulators
+    mask, step, shift = ("3", "8", "2") if row_lanes == 4 else ("1", "16", "1")
+    copies = re.findall(rf"v(?:_\d+)?\[(\w+)\] = (acc_w[01]b?)\[\(?\(\(\(\1 & {mask}\) \* "
+                        rf"{step}\) \+ \(\(\1 >> {shift}\) \* 2\)\)(?: \+ (\d+)\))?\]", src)
+    offs = {0, 1, 4, 5} if row_lanes == 4 else {0, 1, 4, 5, 8, 9, 12, 13}
+    accs = ("acc_w0", "acc_w1") + (("acc_w1b",) if overlap else ())
+    got = {acc: {int(o or 0) for _, a, o in copies if a == acc} for acc in accs}
+    assert got == {acc: offs for acc in accs}, got
+    assert len({a for _, a, _ in copies}) == len(accs)
     assert "__syncthreads()" not in src[branch:]
     # warpgroup 0's four warps write P / dS and then read all their rows in the dQ GEMM: only
     # TileLang's 128-thread barrier (id 3, warpgroup 0's own) orders that

@@ -13,11 +13,13 @@ printed lines go into docs/performance.md.
 threads, num_stages, warp_specialized, row_extent, consumer_regs);
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right, row_extent; ``None`` is the kernel's default for the knobs whose
-default is ``None``: give ``row_extent`` (default ``True``) and ``consumer_regs`` (224) as
-values, ``None`` there means ``False`` / fails; ``...,False`` gives
+wg0_chunks, overlap, w1_right, row_extent, row_lanes; ``None`` is the kernel's default for the
+knobs whose default is ``None``, by mode for wg0_chunks, overlap and row_lanes
+(``sparse_bwd.two_warpgroup_schedule``): give ``row_extent`` (default ``True``) and
+``consumer_regs`` (224) as values, ``None`` there means ``False`` / fails; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
-chunk per block on its scores warpgroup).  Above, the plain
+chunk per block on its scores warpgroup; ``None,None,None,None,None,1,True,None,True,8`` is the
+atomic mode's schedule since run 86, in both modes).  Above, the plain
 forward and the row-major dKV chunks, both replaced in run 24.  ``--state`` sets the GPU's state
 for each timing: ``queued`` (default) as the previous calls left it; ``cool`` starts each
 timing (1 warm-up and ``--reps`` calls, median) after 1.5 s of idle (the boost clock); ``hot``
@@ -28,7 +30,8 @@ with the shapes repeated: every repeat of a shape runs the providers in the reve
 its previous one (``provider_orders``).  Run from the repository root (``src`` and
 ``tools/bench`` are put on ``sys.path`` relative to it); needs a CUDA GPU.
 ``--no-shipped --atomic-only``
-leave one launch per call for Nsight Compute; ``--check-indices`` times the calls with the value
+leave one launch per call for Nsight Compute (``--det-only``: the deterministic backward
+only); ``--check-indices`` times the calls with the value
 checks on (off by default: kernels and host only).  ``--unfused`` times the atomic backward
 twice per provider, with the preprocess fused into the 64-head main kernel
 (``interface.FUSED_PREPROCESS``, the default) and as a launch of its own, and prints the
@@ -273,6 +276,7 @@ def main():
                     help="GPU state of each timing: as queued, after idle, or sustained")
     ap.add_argument("--no-shipped", action="store_true", help="variants only (for ncu)")
     ap.add_argument("--atomic-only", action="store_true", help="skip deterministic=True")
+    ap.add_argument("--det-only", action="store_true", help="skip deterministic=False")
     ap.add_argument("--check-indices", action="store_true",
                     help="calls with the value checks on (default off: kernels and host only)")
     ap.add_argument("--unfused", action="store_true",
@@ -300,7 +304,9 @@ def main():
         do_bwd["shipped"] = False
     if args.no_shipped:
         providers.pop("shipped")
-    dets = (False,) if args.atomic_only else (True, False)
+    if args.atomic_only and args.det_only:
+        ap.error("--atomic-only and --det-only leave nothing to time")
+    dets = (False,) if args.atomic_only else (True,) if args.det_only else (True, False)
     precompile(providers)
     for name, order in provider_orders(shapes, providers):
         run_shape(name, {n: providers[n] for n in order}, do_fwd, do_bwd, args.reps, dets)

@@ -59,15 +59,29 @@ RERUN_CTAS = 132
 W1_RIGHT = False
 
 
-def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=False, w1_right=None):
-    """``(wg0_chunks, overlap, w1_right)`` of :func:`_two_warpgroups` for ``mode``, the
-    defaults filled in: ``w1_right`` = :data:`W1_RIGHT`; ``wg0_chunks`` = 0 with ``w1_right``
-    or in the atomic mode, else 2 (run 38)."""
+def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, row_lanes=None):
+    """``(wg0_chunks, overlap, w1_right, row_lanes)`` of :func:`_two_warpgroups` for ``mode``,
+    the defaults (``None``) filled in (docs/performance.md, runs 38, 82-83, 86-87):
+
+    * ``w1_right``: :data:`W1_RIGHT`;
+    * ``overlap``: in the atomic mode (not with ``w1_right``, which leaves warpgroup 0 no
+      chunk; run 86: -5 to -11% at ``ref``); the exact mode lost with it (run 87: +1.5-4% with
+      two chunks on warpgroup 0, +5-13% with one);
+    * ``wg0_chunks``: 0 with ``w1_right``; in the atomic mode 1 with ``overlap`` (the rope
+      tail), else 0; in the exact mode 2;
+    * ``row_lanes``: 8 in the atomic mode (128-byte pieces: run 82 adds them 17% faster than
+      64-byte ones, run 83 gains 1-2% in the kernel), 4 in the exact mode (8 lost there, +3-6%:
+      with its rounding ptxas spills)."""
+    atomic = mode == "atomic"
     if w1_right is None:
         w1_right = W1_RIGHT
+    if overlap is None:
+        overlap = atomic and not w1_right
     if wg0_chunks is None:
-        wg0_chunks = 0 if (w1_right or mode == "atomic") else 2
-    return wg0_chunks, bool(overlap), bool(w1_right)
+        wg0_chunks = 0 if w1_right else (int(bool(overlap)) if atomic else 2)
+    if row_lanes is None:
+        row_lanes = 8 if atomic else 4
+    return wg0_chunks, bool(overlap), bool(w1_right), row_lanes
 
 
 # exact mode: u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum
@@ -240,8 +254,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
          block_k: int = 32, threads: int | None = None, num_stages: int | None = None,
          dkv_chunk: int | None = None, dkv_transposed: bool | None = None,
          warp_specialized: bool | None = None, wg0_chunks: int | None = None,
-         overlap: bool = False, w1_right: bool | None = None, row_extent: bool = True,
-         fused: bool = False, natural: bool = True):
+         overlap: bool | None = None, w1_right: bool | None = None, row_extent: bool = True,
+         row_lanes: int | None = None, fused: bool = False, natural: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -291,11 +305,12 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     shared memory); the staging writes it back untransposed.  (With 16 heads, ``BK = 64``, both
     forms are wgmma.)  ``warp_specialized`` (default: 64-head tiles) builds the 64-head first pass
     as :func:`_two_warpgroups` instead (two warpgroups with different roles, 64-key blocks); the
-    other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2; default 2 in the exact mode, 0 in
-    the atomic mode) is how many of each block's nine dKV chunks its scores warpgroup adds, and
-    ``overlap`` gives the dKV warpgroup two accumulators (docs/performance.md, sixth and seventh
-    sessions); ``row_extent`` (default) makes it walk a row only up to the block that holds its
-    last slot with a key, rows last-first (``row_blocks``; ``False``: every block, a trial knob).
+    other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2) is how many of each block's nine
+    dKV chunks its scores warpgroup adds, ``overlap`` gives the dKV warpgroup two accumulators
+    and ``row_lanes`` (4 or 8) is how many lanes add each key row's piece of an atomic (defaults
+    by mode: :func:`two_warpgroup_schedule`); ``row_extent`` (default) makes it walk a row only
+    up to the block that holds its last slot with a key, rows last-first (``row_blocks``;
+    ``False``: every block, a trial knob).
     ``threads``, ``num_stages``, ``dkv_chunk``: ``None`` is 256, 1, 128.
 
     ``fused=True`` (the two-warpgroup kernel only) also does the preprocess's work for its
@@ -312,7 +327,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
         return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
-                               row_extent, fused, natural)
+                               row_extent, row_lanes, fused, natural)
     assert not fused, "the fused preprocess is built into the two-warpgroup kernel only"
     threads = 256 if threads is None else threads
     num_stages = 1 if num_stages is None else num_stages
@@ -564,9 +579,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 
 
 def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
-                    wg0_chunks: int | None = None, overlap: bool = False,
+                    wg0_chunks: int | None = None, overlap: bool | None = None,
                     w1_right: bool | None = None, row_extent: bool = True,
-                    fused: bool = False, natural: bool = True):
+                    row_lanes: int | None = None, fused: bool = False, natural: bool = True):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -580,15 +595,18 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
       ``wg0_chunks`` dKV chunks (the right half's last if 2, then the rope tail).
     * warpgroup 1 (dKV): ``dQ[:, Dv/2:] += dS K_r``; then the block's other dKV chunks, each
       ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).  With ``overlap`` it
-      holds two accumulators and issues chunk ``c + 1``'s GEMMs before it adds chunk ``c``
-      (measured slower in both modes once the lane exchange was gone, run 38; a knob for
-      trials).
+      holds two accumulators and issues chunk ``c + 1``'s GEMMs before it adds chunk ``c``, so
+      that the tensor cores run while the atomics drain (the atomic mode's default since run
+      86, there with ``row_lanes = 8``; run 38 measured it slower with 64-byte pieces, a form
+      that spills 324 bytes under ptxas 13.0; slower in the exact mode, run 87).
 
-    ``wg0_chunks`` defaults to 2 in the exact mode (warpgroup 1 is the longer path there: it
-    also rounds) and to 0 in the atomic mode (run 38: -8% at ``ref``).  Each chunk is added into
-    ``dKV_acc`` from the wgmma accumulator as it is, with 16-byte atomics at the permuted
-    columns of ``tiling.dkv_column`` (:func:`scatter_chunk` inside), no staging in shared memory
-    and no lane exchange; the exact mode scales, takes each slot's maximum and rounds in
+    Defaults: :func:`two_warpgroup_schedule` (the exact mode: two chunks on warpgroup 0, which
+    is the shorter path there, warpgroup 1 also rounds; the atomic mode: the rope tail there,
+    ``overlap``, ``row_lanes = 8``).  Each chunk is added into ``dKV_acc`` from the wgmma
+    accumulator, with 16-byte atomics at the permuted columns of ``tiling.dkv_column``
+    (:func:`scatter_chunk` inside), no staging in shared memory: each lane's own float4s
+    (``row_lanes = 4``) or, with 8, after one exchange of half of them with lane ``t ^ 4``;
+    the exact mode scales, takes each slot's maximum and rounds in
     registers, and warpgroup 0 hands its chunks' maxima to warpgroup 1 (``u_w0``, ``u_ready``),
     which adds each key's bound once.
 
@@ -626,7 +644,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
-    wg0_chunks, overlap, w1_right = two_warpgroup_schedule(mode, wg0_chunks, overlap, w1_right)
+    wg0_chunks, overlap, w1_right, row_lanes = two_warpgroup_schedule(mode, wg0_chunks, overlap,
+                                                                      w1_right, row_lanes)
     assert wg0_chunks in (0, 1, 2)
     # with no chunk on warpgroup 0 the overlapped list would end in the rope tail, a case that
     # gave a wrong dKV (run 38) and was slower anyway
@@ -635,6 +654,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     # block's right half and tail right after its dQ GEMMs, so that warpgroup 0 (the longer path
     # in the atomic mode, run 39's profile) neither waits for kv_free nor gathers them
     assert not (w1_right and wg0_chunks), "w1_right: warpgroup 0 adds no dKV chunk"
+    assert row_lanes in (4, 8), "row_lanes: 4 or 8 lanes per key row of an atomic"
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -694,47 +714,104 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     @T.macro
     def own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t):
         # thread t's two key rows in block k (slot_row and slot_row + 8), their inverse grids,
-        # fresh running maxima
+        # fresh running maxima; row_lanes = 8: slot[2:] are the partner lane t ^ 4's two rows
         for i in T.unroll(2):
             slot[i] = Indices[b_i, s_i, k * BK + slot_row(t) + 8 * i]
             if exact:
                 inv_l[i] = inv[k % 2, slot_row(t) + 8 * i]
                 u_l[i] = 0
+        if row_lanes == 8:
+            for i in T.unroll(2):
+                slot[2 + i] = T.shfl_xor(slot[i], 4)
 
     @T.macro
-    def scatter_chunk(acc, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
+    def to_grid(v, o, inv_l, u_l, i):
+        # exact mode: v[o:o + 4] (of row i) in grid units (c / g_j, exact: g_j a power of two),
+        # the slot's running max |c / g| taken before the rounding (a grid too coarse still
+        # shows the size), then rounded
+        if exact:
+            for e in T.unroll(4):
+                v[o + e] = v[o + e] * inv_l[i]
+                u_l[i] = T.max(u_l[i], T.abs(v[o + e]))
+                v[o + e] = T.round(v[o + e])
+
+    def dkv_pieces():
+        # scatter_chunk's copies of one dKV accumulator (a thread's four columns per float4, one
+        # fragment each: TileLang takes one index per fragment in a parallel loop; register
+        # renames after ptxas): 4 fragments [BK, CW / 4], or with row_lanes = 8 those of the
+        # even and of the odd 16-column groups apart, 8 fragments [BK, CW / 8]
+        n, width = (4, CW // 4) if row_lanes == 4 else (8, CW // 8)
+        return tuple(T.alloc_fragment([BK, width], acc_t) for _ in range(n))
+
+    @T.macro
+    def copy_cols(acc, dst, first, step):
+        for j, g in T.Parallel(BK, dst.shape[1]):
+            dst[j, g] = acc[j, step * (g // 4) + 2 * (g % 4) + first]
+
+    @T.macro
+    def scatter_chunk(acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
         # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
         # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
         # 8, 9} (c = 0 .. CW / 16 - 1): it adds them as they are, as one float4 at columns
         # 16 c + 4 (t % 4) .. + 3 of dKV_acc (tiling.dkv_column: a fixed permutation within
-        # every 16 columns, undone by `finish`).  No lane exchange, and the four lanes of a row
-        # write 64 contiguous bytes (cuDNN's SM90 DSA backward stores its dKV partials the same
-        # way).
-        # TileLang takes one index per fragment in a parallel loop: the four columns as copies
-        # (register renames after ptxas)
-        for j, g in T.Parallel(BK, CW // 4):
-            e0[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4)]
-        for j, g in T.Parallel(BK, CW // 4):
-            e1[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4) + 1]
-        for j, g in T.Parallel(BK, CW // 4):
-            e2[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4) + 8]
-        for j, g in T.Parallel(BK, CW // 4):
-            e3[j, g] = acc[j, 16 * (g // 4) + 2 * (g % 4) + 9]
-        for j, g in T.Parallel(BK, CW // 4):
-            i = (j % 16) // 8  # which of the thread's two rows
-            r4[0] = e0[j, g]
-            r4[1] = e1[j, g]
-            r4[2] = e2[j, g]
-            r4[3] = e3[j, g]
-            if exact:
-                # in grid units (c / g_j, exact: g_j a power of two); the slot's running max
-                # |c / g| before the rounding (a grid too coarse still shows the size)
+        # every 16 columns, undone by `finish`).  ev: dkv_pieces()
+        if row_lanes == 4:
+            # the four lanes of a row write 64 contiguous bytes per instruction, no lane
+            # exchange (cuDNN's SM90 DSA backward stores its dKV partials the same way)
+            copy_cols(acc, ev[0], 0, 16)
+            copy_cols(acc, ev[1], 1, 16)
+            copy_cols(acc, ev[2], 8, 16)
+            copy_cols(acc, ev[3], 9, 16)
+            for j, g in T.Parallel(BK, CW // 4):
+                i = (j % 16) // 8  # which of the thread's two rows
+                r4[0] = ev[0][j, g]
+                r4[1] = ev[1][j, g]
+                r4[2] = ev[2][j, g]
+                r4[3] = ev[3][j, g]
+                to_grid(r4, 0, inv_l, u_l, i)
+                if slot[i] >= 0:
+                    T.atomic_addx4(dKV_acc[b_i, slot[i], col + 4 * g], r4[0])
+        else:
+            # eight lanes per row: quads q and q ^ 1 (lanes t and t ^ 4, rows j and j ^ 1) each
+            # hold groups c = 2 k (r4[4:8]) and 2 k + 1 (r4[8:12]) of their own row; the even
+            # quad sends group 2 k + 1, the odd one group 2 k (one shuffle per float, into
+            # r4[12:16]), so that one atomic adds both groups of the even row (128 contiguous
+            # bytes from 8 lanes) and the next both of the odd row (red_pieces.py: 128-byte
+            # pieces reach the L2 faster than 64-byte ones).  Same columns as above
+            copy_cols(acc, ev[0], 0, 32)
+            copy_cols(acc, ev[1], 1, 32)
+            copy_cols(acc, ev[2], 8, 32)
+            copy_cols(acc, ev[3], 9, 32)
+            copy_cols(acc, ev[4], 16, 32)
+            copy_cols(acc, ev[5], 17, 32)
+            copy_cols(acc, ev[6], 24, 32)
+            copy_cols(acc, ev[7], 25, 32)
+            for j, h in T.Parallel(BK, CW // 8):
+                i = (j % 16) // 8
+                odd = j % 2 == 1
+                r4[4] = ev[0][j, h]
+                r4[5] = ev[1][j, h]
+                r4[6] = ev[2][j, h]
+                r4[7] = ev[3][j, h]
+                r4[8] = ev[4][j, h]
+                r4[9] = ev[5][j, h]
+                r4[10] = ev[6][j, h]
+                r4[11] = ev[7][j, h]
+                to_grid(r4, 4, inv_l, u_l, i)
+                to_grid(r4, 8, inv_l, u_l, i)
                 for e in T.unroll(4):
-                    r4[e] = r4[e] * inv_l[i]
-                    u_l[i] = T.max(u_l[i], T.abs(r4[e]))
-                    r4[e] = T.round(r4[e])
-            if slot[i] >= 0:
-                T.atomic_addx4(dKV_acc[b_i, slot[i], col + 4 * g], r4[0])
+                    r4[12 + e] = T.shfl_xor(T.if_then_else(odd, r4[4 + e], r4[8 + e]), 4)
+                col_e = col + 32 * (h // 4) + 16 * (j % 2) + 4 * (h % 4)
+                for e in T.unroll(4):
+                    r4[e] = T.if_then_else(odd, r4[12 + e], r4[4 + e])
+                row_e = T.if_then_else(odd, slot[2 + i], slot[i])  # the even quad's row
+                if row_e >= 0:
+                    T.atomic_addx4(dKV_acc[b_i, row_e, col_e], r4[0])
+                for e in T.unroll(4):
+                    r4[e] = T.if_then_else(odd, r4[8 + e], r4[12 + e])
+                row_o = T.if_then_else(odd, slot[i], slot[2 + i])  # the odd quad's row
+                if row_o >= 0:
+                    T.atomic_addx4(dKV_acc[b_i, row_o, col_e], r4[0])
 
     @T.macro
     def slot_max(u_l):
@@ -752,15 +829,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     slot_bound(Bound, BoundExp, b_i, slot[i], u_l[i])
 
     @T.macro
-    def dkv_chunks(Q_h, dO_h, P_s, dS_s, acc, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i,
+    def dkv_chunks(Q_h, dO_h, P_s, dS_s, acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i,
                    c0, n, col0):
         # chunks c0 .. c0 + n - 1 of one half of the latent columns (Q_h / dO_h: that half)
         for c in T.serial(n):
             T.wgmma_gemm(dS_s, Q_h[:, (c0 + c) * CW:(c0 + c + 1) * CW], acc, transpose_A=True,
                          clear_accum=True)
             T.gemm(P_s, dO_h[:, (c0 + c) * CW:(c0 + c + 1) * CW], acc, transpose_A=True)
-            scatter_chunk(acc, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i,
-                          col0 + (c0 + c) * CW)
+            scatter_chunk(acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col0 + (c0 + c) * CW)
 
     def w1_chunk_list(Q_l, dO_l, Q_r, dO_r):
         # warpgroup 1's chunks in order with overlap: (half tile Q, half tile dO, chunk in the
@@ -774,8 +850,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         T.wgmma_gemm(P_s, dO_h[:, c * CW:(c + 1) * CW], acc, transpose_A=True)
 
     @T.macro
-    def dkv_chunks_overlapped(chunks, i, P_s, dS_s, acc_a, acc_b, e0, e1, e2, e3, r4, slot,
-                              inv_l, u_l, dKV_acc, b_i, pds_free):
+    def dkv_chunks_overlapped(chunks, i, P_s, dS_s, acc_a, acc_b, ev, r4, slot, inv_l, u_l,
+                              dKV_acc, b_i, pds_free):
         # chunks[i:] with chunk i's GEMMs issued into acc_a: chunk i + 1's GEMMs go into acc_b
         # (two accumulators) and run while chunk i is added, so that the atomics overlap the
         # tensor cores.  chunks: (half tile Q, half tile dO, chunk in the half, column).
@@ -788,10 +864,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             T.wait_wgmma(0)
             T.barrier_arrive(pds_free[0])  # the last read of P / dS
         T.warpgroup_fence_operand(acc_a, num_regs=BK * CW // WG)
-        scatter_chunk(acc_a, e0, e1, e2, e3, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3])
+        scatter_chunk(acc_a, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3])
         if i + 1 < len(chunks):
-            dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, e0, e1, e2, e3, r4,
-                                  slot, inv_l, u_l, dKV_acc, b_i, pds_free)
+            dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, ev, r4, slot, inv_l,
+                                  u_l, dKV_acc, b_i, pds_free)
 
     @T.macro
     def fused_loads(O, Lse, Sink, o_r, lse_r, b_i, s_i, h0, tx):
@@ -898,21 +974,15 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             # one dKV accumulator (and its copies) per warpgroup: a fragment's layout binds it
             # to the warpgroup that uses it first
             acc_w0 = T.alloc_fragment([BK, CW], acc_t)
-            w0_e0 = T.alloc_fragment([BK, CW // 4], acc_t)
-            w0_e1 = T.alloc_fragment([BK, CW // 4], acc_t)
-            w0_e2 = T.alloc_fragment([BK, CW // 4], acc_t)
-            w0_e3 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w0_e = dkv_pieces()
             acc_w1 = T.alloc_fragment([BK, CW], acc_t)
             acc_w1b = T.alloc_fragment([BK, CW], acc_t)  # overlap: the second accumulator
             w1_chunks = w1_chunk_list(Q_l, dO_l, Q_r, dO_r)
-            w1_e0 = T.alloc_fragment([BK, CW // 4], acc_t)
-            w1_e1 = T.alloc_fragment([BK, CW // 4], acc_t)
-            w1_e2 = T.alloc_fragment([BK, CW // 4], acc_t)
-            w1_e3 = T.alloc_fragment([BK, CW // 4], acc_t)
+            w1_e = dkv_pieces()
             sc = T.alloc_local([2], acc_t)
-            r4 = T.alloc_local([4], acc_t)
+            r4 = T.alloc_local([4 if row_lanes == 4 else 16], acc_t)  # see scatter_chunk
             # the thread's two key rows of the block (own_slot): index, inverse grid, max
-            slot = T.alloc_local([2], "int32")
+            slot = T.alloc_local([2 if row_lanes == 4 else 4], "int32")
             inv_l = T.alloc_local([2], acc_t)
             u_l = T.alloc_local([2], acc_t)
             ext_v, ext_last, ext_warps, nb = alloc_scratch(2 * WG)
@@ -993,11 +1063,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     if wg0_chunks > 0:
                         own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, tx)
                         if wg0_chunks == 2:
-                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w0, w0_e0, w0_e1, w0_e2, w0_e3,
-                                       r4, slot, inv_l, u_l, dKV_acc, b_i, DH // CW - 1, 1, DH)
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w0, w0_e, r4, slot, inv_l,
+                                       u_l, dKV_acc, b_i, DH // CW - 1, 1, DH)
                         T.gemm(dS_s, Q_t, acc_w0, transpose_A=True, clear_accum=True)
-                        scatter_chunk(acc_w0, w0_e0, w0_e1, w0_e2, w0_e3, r4, slot, inv_l, u_l,
-                                      dKV_acc, b_i, D)
+                        scatter_chunk(acc_w0, w0_e, r4, slot, inv_l, u_l, dKV_acc, b_i, D)
                         if exact:
                             slot_max(u_l)
                             if tx % 4 == 0:
@@ -1032,24 +1101,21 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t)
                     if overlap:
                         issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
-                        dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_e0,
-                                              w1_e1, w1_e2, w1_e3, r4, slot, inv_l, u_l, dKV_acc,
-                                              b_i, pds_free)
+                        dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_e, r4,
+                                              slot, inv_l, u_l, dKV_acc, b_i, pds_free)
                     else:
-                        dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_e0, w1_e1, w1_e2, w1_e3, r4,
-                                   slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, 0)
+                        dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_e, r4, slot, inv_l, u_l,
+                                   dKV_acc, b_i, 0, DH // CW, 0)
                         if wg0_chunks == 0:
-                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e0, w1_e1, w1_e2, w1_e3,
-                                       r4, slot, inv_l, u_l, dKV_acc, b_i, 0, DH // CW, DH)
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e, r4, slot, inv_l,
+                                       u_l, dKV_acc, b_i, 0, DH // CW, DH)
                             T.gemm(dS_s, Q_t, acc_w1, transpose_A=True, clear_accum=True)
                             # the last read of P / dS: warpgroup 0 may write block k + 1's
                             T.barrier_arrive(pds_free[0])
-                            scatter_chunk(acc_w1, w1_e0, w1_e1, w1_e2, w1_e3, r4, slot, inv_l,
-                                          u_l, dKV_acc, b_i, D)
+                            scatter_chunk(acc_w1, w1_e, r4, slot, inv_l, u_l, dKV_acc, b_i, D)
                         else:
-                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e0, w1_e1, w1_e2, w1_e3,
-                                       r4, slot, inv_l, u_l, dKV_acc, b_i, 0,
-                                       DH // CW - wg0_chunks + 1, DH)
+                            dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e, r4, slot, inv_l,
+                                       u_l, dKV_acc, b_i, 0, DH // CW - wg0_chunks + 1, DH)
                             T.barrier_arrive(pds_free[0])
                     if exact:
                         slot_max(u_l)
