@@ -413,6 +413,40 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     got = {acc: {int(o or 0) for _, a, o in copies if a == acc} for acc in accs}
     assert got == {acc: offs for acc in accs}, got
     assert len({a for _, a, _ in copies}) == len(accs)
+    # ... and each copy feeds the float4 lane it belongs to: r4[0:4] (or, eight lanes per row,
+    # the own row's two groups r4[4:8] and r4[8:12]) in the fragment's column order
+    pieces = re.findall(rf"(v(?:_\d+)?)\[\w+\] = acc_w[01]b?\[\(?\(\(\(\w+ & {mask}\) \* {step}\) "
+                        rf"\+ \(\(\w+ >> {shift}\) \* 2\)\)(?: \+ (\d+)\))?\]", src)
+    off_of = {}
+    for name, o in pieces:
+        off_of.setdefault(name, set()).add(int(o or 0))
+    assert all(len(v) == 1 for v in off_of.values()), off_of
+    feeds = re.findall(r"r4\[(\d+)\] = (v(?:_\d+)?)\[\w+\];", src)
+    first = 0 if row_lanes == 4 else 4
+    want_off = [0, 1, 4, 5] if row_lanes == 4 else [0, 1, 4, 5, 8, 9, 12, 13]
+    assert feeds and all(off_of[n] == {want_off[int(k) - first]} for k, n in feeds), feeds
+    if row_lanes == 8:
+        # the exchange, lane t ^ 4 the partner (odd: lane t & 4 set, the pair's second quad):
+        # the odd lane sends its group 2 k, the even one its group 2 k + 1; the even row's atomic
+        # takes the even lane's own group 2 k and the odd lane's received one, at the even
+        # quad's slot; the odd row's the even lane's received and the odd lane's group 2 k + 1,
+        # at the odd quad's slot; the column's 32 k from the loop's low bit, the row from >> 1
+        flat = re.sub(r"\s+", "", src)
+        odd = r"if\(\(\(\(\(\(int\)threadIdx\.x\)&7\)>>2\)==1\)\)"
+        sel = r"\{{(condval_\d+)=r4\[\((\w+)\+{0}\)\];\}}else\{{\1=r4\[\(\2\+{1}\)\];\}}"
+        n = len(sites) // 2
+        send = odd + sel.format(4, 8) + (r"r4\[\(\2\+12\)\]=__shfl_xor_sync\(\(uint\)4294967295,"
+                                         r"\1,4,32\);")
+        data_e = odd + sel.format(12, 4) + r"r4\[\2\]=\1;"
+        data_o = odd + sel.format(8, 12) + r"r4\[\2\]=\1;"
+        hi, lo = r"\(\(\w+>>1\)\+2\)", r"\(\w+>>1\)"
+        row_e = r"int(condval_\d+);" + odd + (r"\{{\1=slot\[{0}\];\}}else\{{\1=slot\[{1}\];\}}"
+                                                r"introw_e(?:_\d+)?=\1;").format(hi, lo)
+        row_o = r"int(condval_\d+);" + odd + (r"\{{\1=slot\[{0}\];\}}else\{{\1=slot\[{1}\];\}}"
+                                                r"introw_o(?:_\d+)?=\1;").format(lo, hi)
+        for pat in (send, data_e, data_o, row_e, row_o):
+            assert len(re.findall(pat, flat)) == n, pat
+        assert all("& (int64_t)1) * (int64_t)32)" in stmt(i) for i in sites)
     assert "__syncthreads()" not in src[branch:]
     # warpgroup 0's four warps write P / dS and then read all their rows in the dQ GEMM: only
     # TileLang's 128-thread barrier (id 3, warpgroup 0's own) orders that
@@ -438,9 +472,9 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name, args", SPECS[:3] + SPECS[-1:] + GRID_SPECS,
-                         ids=(["fwd64", "main64_exact", "main64_rerun", "pre"]
-                              if SPECS else []) + [n for n, _ in GRID_SPECS])
+@pytest.mark.parametrize("name, args", SPECS[:3] + SPECS[4:5] + SPECS[-1:] + GRID_SPECS,
+                         ids=(["fwd64", "main64_exact", "main64_rerun", "main64_atomic_fused",
+                               "pre"] if SPECS else []) + [n for n, _ in GRID_SPECS])
 def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     import tilelang
 
@@ -460,6 +494,23 @@ def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
     # of this session); it says so only in this warning
     assert "C7514" not in res.stderr, res.stderr[-3000:]
     print(" ".join(l.strip() for l in res.stderr.splitlines() if "registers" in l or "spill" in l))
+
+
+def test_two_warpgroup_schedule_defaults_by_mode():
+    """``sparse_bwd.two_warpgroup_schedule``: the atomic mode overlaps its dKV chunks with the
+    rope tail on warpgroup 0 and eight lanes per row, the exact mode keeps two chunks there, one
+    accumulator and four lanes (docs/performance.md, runs 86-87).  A knob that leaves warpgroup
+    0 no chunk (``wg0_chunks=0`` or ``w1_right``) turns the overlap's default off instead of
+    building a kernel that the overlap's assert refuses (a review found ``wg0_chunks=0`` alone
+    refused in the atomic mode)."""
+    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
+
+    assert two_warpgroup_schedule("atomic") == (1, True, False, 8)
+    assert two_warpgroup_schedule("exact") == (2, False, False, 4)
+    assert two_warpgroup_schedule("atomic", wg0_chunks=0) == (0, False, False, 8)
+    assert two_warpgroup_schedule("atomic", w1_right=True) == (0, False, True, 8)
+    assert two_warpgroup_schedule("atomic", overlap=False) == (0, False, False, 8)
+    assert two_warpgroup_schedule("exact", row_lanes=8, overlap=True) == (2, True, False, 8)
 
 
 def test_main_args_reach_the_fused_parameters():

@@ -64,19 +64,20 @@ def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, r
     the defaults (``None``) filled in (docs/performance.md, runs 38, 82-83, 86-87):
 
     * ``w1_right``: :data:`W1_RIGHT`;
-    * ``overlap``: in the atomic mode (not with ``w1_right``, which leaves warpgroup 0 no
-      chunk; run 86: -5 to -11% at ``ref``); the exact mode lost with it (run 87: +1.5-4% with
-      two chunks on warpgroup 0, +5-13% with one);
+    * ``overlap``: in the atomic mode, unless ``w1_right`` or ``wg0_chunks=0`` leaves warpgroup 0
+      no chunk (run 86: -5 to -11% at ``ref``); the exact mode lost with it (run 87: +0.5-4%
+      with two chunks on warpgroup 0, +2.5-13% with one);
     * ``wg0_chunks``: 0 with ``w1_right``; in the atomic mode 1 with ``overlap`` (the rope
       tail), else 0; in the exact mode 2;
     * ``row_lanes``: 8 in the atomic mode (128-byte pieces: run 82 adds them 17% faster than
-      64-byte ones, run 83 gains 1-2% in the kernel), 4 in the exact mode (8 lost there, +3-6%:
-      with its rounding ptxas spills)."""
+      64-byte ones; alone, run 83 moved the atomic call by -2% to +1%, with ``overlap`` it is
+      the schedule of run 86), 4 in the exact mode (8 lost there, +2.6-6.2%: with its rounding
+      ptxas spills)."""
     atomic = mode == "atomic"
     if w1_right is None:
         w1_right = W1_RIGHT
     if overlap is None:
-        overlap = atomic and not w1_right
+        overlap = atomic and not w1_right and wg0_chunks != 0
     if wg0_chunks is None:
         wg0_chunks = 0 if w1_right else (int(bool(overlap)) if atomic else 2)
     if row_lanes is None:
@@ -597,8 +598,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
       ``[BK, 64] = dS^T Q_c + P^T dO_c`` (the rope tail: ``dS^T Q_t``).  With ``overlap`` it
       holds two accumulators and issues chunk ``c + 1``'s GEMMs before it adds chunk ``c``, so
       that the tensor cores run while the atomics drain (the atomic mode's default since run
-      86, there with ``row_lanes = 8``; run 38 measured it slower with 64-byte pieces, a form
-      that spills 324 bytes under ptxas 13.0; slower in the exact mode, run 87).
+      86, there with ``row_lanes = 8``; with 64-byte pieces run 38 found it no faster
+      than the one-accumulator schedule overall, a form that spills 324 bytes under ptxas 13.0;
+      slower in the exact mode, run 87).
 
     Defaults: :func:`two_warpgroup_schedule` (the exact mode: two chunks on warpgroup 0, which
     is the shorter path there, warpgroup 1 also rounds; the atomic mode: the rope tail there,
@@ -752,9 +754,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     def scatter_chunk(acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
         # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
         # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
-        # 8, 9} (c = 0 .. CW / 16 - 1): it adds them as they are, as one float4 at columns
+        # 8, 9} (c = 0 .. CW / 16 - 1); each such four is added as one float4 at columns
         # 16 c + 4 (t % 4) .. + 3 of dKV_acc (tiling.dkv_column: a fixed permutation within
-        # every 16 columns, undone by `finish`).  ev: dkv_pieces()
+        # every 16 columns, undone by `finish`), by its own lane (row_lanes = 4) or, for half
+        # of them, by lane t ^ 4 (row_lanes = 8).  ev: dkv_pieces()
         if row_lanes == 4:
             # the four lanes of a row write 64 contiguous bytes per instruction, no lane
             # exchange (cuDNN's SM90 DSA backward stores its dKV partials the same way)
