@@ -406,24 +406,21 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     # and of the odd 16-column groups apart, 16 k + 2 h + {0, 1, 4, 5} and + 8: each warpgroup's
     # from its own accumulators
     mask, step, shift = ("3", "8", "2") if row_lanes == 4 else ("1", "16", "1")
-    copies = re.findall(rf"v(?:_\d+)?\[(\w+)\] = (acc_w[01]b?)\[\(?\(\(\(\1 & {mask}\) \* "
-                        rf"{step}\) \+ \(\(\1 >> {shift}\) \* 2\)\)(?: \+ (\d+)\))?\]", src)
-    offs = {0, 1, 4, 5} if row_lanes == 4 else {0, 1, 4, 5, 8, 9, 12, 13}
+    copies = re.findall(rf"(v(?:_\d+)?)\[(\w+)\] = (acc_w[01]b?)\[\(?\(\(\(\2 & {mask}\) \* "
+                        rf"{step}\) \+ \(\(\2 >> {shift}\) \* 2\)\)(?: \+ (\d+)\))?\]", src)
+    # the local offset of the copy that feeds r4[first + m]
+    first, want_off = (0, [0, 1, 4, 5]) if row_lanes == 4 else (4, [0, 1, 4, 5, 8, 9, 12, 13])
     accs = ("acc_w0", "acc_w1") + (("acc_w1b",) if overlap else ())
-    got = {acc: {int(o or 0) for _, a, o in copies if a == acc} for acc in accs}
-    assert got == {acc: offs for acc in accs}, got
-    assert len({a for _, a, _ in copies}) == len(accs)
+    got = {acc: {int(o or 0) for _, _, a, o in copies if a == acc} for acc in accs}
+    assert got == {acc: set(want_off) for acc in accs}, got
+    assert len({a for _, _, a, _ in copies}) == len(accs)
     # ... and each copy feeds the float4 lane it belongs to: r4[0:4] (or, eight lanes per row,
     # the own row's two groups r4[4:8] and r4[8:12]) in the fragment's column order
-    pieces = re.findall(rf"(v(?:_\d+)?)\[\w+\] = acc_w[01]b?\[\(?\(\(\(\w+ & {mask}\) \* {step}\) "
-                        rf"\+ \(\(\w+ >> {shift}\) \* 2\)\)(?: \+ (\d+)\))?\]", src)
     off_of = {}
-    for name, o in pieces:
+    for name, _, _, o in copies:
         off_of.setdefault(name, set()).add(int(o or 0))
     assert all(len(v) == 1 for v in off_of.values()), off_of
     feeds = re.findall(r"r4\[(\d+)\] = (v(?:_\d+)?)\[\w+\];", src)
-    first = 0 if row_lanes == 4 else 4
-    want_off = [0, 1, 4, 5] if row_lanes == 4 else [0, 1, 4, 5, 8, 9, 12, 13]
     assert feeds and all(off_of[n] == {want_off[int(k) - first]} for k, n in feeds), feeds
     if row_lanes == 8:
         # the exchange, lane t ^ 4 the partner (odd: lane t & 4 set, the pair's second quad):
@@ -440,17 +437,15 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
         data_e = odd + sel.format(12, 4) + r"r4\[\2\]=\1;"
         data_o = odd + sel.format(8, 12) + r"r4\[\2\]=\1;"
         hi, lo = r"\(\(\w+>>1\)\+2\)", r"\(\w+>>1\)"
-        row_e = r"int(condval_\d+);" + odd + (r"\{{\1=slot\[{0}\];\}}else\{{\1=slot\[{1}\];\}}"
-                                                r"introw_e(?:_\d+)?=\1;").format(hi, lo)
-        row_o = r"int(condval_\d+);" + odd + (r"\{{\1=slot\[{0}\];\}}else\{{\1=slot\[{1}\];\}}"
-                                                r"introw_o(?:_\d+)?=\1;").format(lo, hi)
+        row = (r"int(condval_\d+);" + odd + r"\{{\1=slot\[{1}\];\}}else\{{\1=slot\[{2}\];\}}"
+               r"int{0}(?:_\d+)?=\1;")
+        row_e, row_o = row.format("row_e", hi, lo), row.format("row_o", lo, hi)
         for pat in (send, data_e, data_o, row_e, row_o):
             assert len(re.findall(pat, flat)) == n, pat
         assert all("& (int64_t)1) * (int64_t)32)" in stmt(i) for i in sites)
     assert "__syncthreads()" not in src[branch:]
     # warpgroup 0's four warps write P / dS and then read all their rows in the dQ GEMM: only
     # TileLang's 128-thread barrier (id 3, warpgroup 0's own) orders that
-    wg1 = src.index("pds_full[0].wait(")
     ds_store = src.rindex("dS_s)[", 0, src.index("pds_full[0].arrive()"))
     dq_gemm = src.index("(bfloat16_t*)dS_s)[0]", ds_store)
     assert "__sync_thread_partial(3, 128)" in src[ds_store:dq_gemm]
