@@ -241,6 +241,73 @@ def test_gpu_sampler_samples_a_short_section_at_least_twice():
     assert len(calls) == 2 and (gpu.sm_mhz, gpu.power_w) == (1965.0, 150.0)
 
 
+class _CountingClock(harness.Clock):
+    """The host clock, counting syncs (a device's queue drains at each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = 0
+
+    def sync(self):
+        self.syncs += 1
+
+
+def test_settle_drains_the_queue_then_idles(monkeypatch):
+    slept = []
+    clock = _CountingClock()
+    monkeypatch.setattr(harness.time, "sleep", slept.append)
+    harness.settle(clock, 1.5)
+    harness.settle(clock, 0.0)  # no idle, still the sync
+    assert slept == [1.5] and clock.syncs == 2
+
+
+def test_sustained_ms_is_the_mean_over_the_measured_seconds_only():
+    calls, entered = [], []
+    clock = _CountingClock()
+
+    class Sampler:
+        def __enter__(self):
+            entered.append(len(calls))  # after the warm-up's calls
+
+        def __exit__(self, *exc):
+            entered.append(len(calls))
+
+    def fn(x):
+        calls.append(x)
+        time.sleep(0.002)
+
+    ms = harness.sustained_ms(clock, fn, ["a", "b", "c"], 0.1, 0.05, Sampler(), batch=4)
+    warm, hot = entered[0], entered[1] - entered[0]
+    assert warm >= 4 and warm % 4 == 0 and hot >= 4 and hot % 4 == 0  # whole batches
+    assert calls[:6] == ["a", "b", "c", "a", "b", "c"]  # the inputs rotate across both phases
+    assert calls[warm] == "abc"[warm % 3] and len(calls) == warm + hot
+    assert ms >= 2.0  # per call (each sleeps 2 ms)
+    assert 0.05 <= ms * hot / 1e3 < 0.1  # the measured span: the 0.05 s, not the warm-up's 0.1
+    assert clock.syncs == (warm + hot) // 4 + 1  # one per batch and one at the end
+    # zero seconds still time one batch (no division by zero)
+    calls.clear()
+    assert harness.sustained_ms(clock, fn, ["a"], 0.0, 0.0) > 0 and len(calls) == 8
+
+
+def test_table_has_the_sustained_time_where_rows_carry_it():
+    rows = _rows()
+    rows[0].update(sm_mhz=1980.0, ms_hot=1.234, sm_mhz_hot=1755.0)
+    lines = harness.table(harness.result_cols(rows), rows).splitlines()
+    assert "| p20-p80 | SM MHz | ms hot | hot MHz | TFLOP/s |" in lines[0]
+    assert "| 1980 | 1.234 | 1755 |" in lines[2]
+    assert "| - | - | - |" in lines[3]  # a row without them
+
+
+def test_settle_and_hot_defaults_by_device():
+    gpu = bench.parse_args([])
+    assert (gpu.settle_s, gpu.hot_s) == (harness.SETTLE_S, harness.HOT_S) == (1.5, 1.0)
+    cpu = bench.parse_args(["--cpu-standin"])
+    assert (cpu.settle_s, cpu.hot_s) == (0.0, 0.0)
+    assert bench.parse_args(["--settle-s", "0", "--hot-s", "2"]).hot_s == 2.0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--hot-s", "-1"])
+
+
 def test_table_has_the_sm_clock_where_rows_carry_it():
     rows = _rows()
     assert "SM MHz" not in harness.table(harness.result_cols(rows), rows)
@@ -400,8 +467,10 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
                                             "bwd_det", "ref_fwd", "ref_bwd"]
     assert all(r["status"] == "ok" for r in rows) and all(set(r) == set(harness.FIELDS)
                                                           for r in rows)
-    # on CPU the sampler has no GPU to read: the fields are there, empty
+    # on CPU the sampler has no GPU to read: the fields are there, empty; no sustained time
+    # by default on CPU
     assert all(r["sm_mhz"] is None and r["power_w"] is None for r in rows)
+    assert all(r["ms_hot"] is None and r["sm_mhz_hot"] is None for r in rows)
     header = (tmp_path / "results.csv").read_text().splitlines()[0].split(",")
     assert header == list(harness.FIELDS)
     assert header.index("sm_mhz") == header.index("ms_max") + 1
@@ -425,6 +494,21 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
     assert det["note"] == "cpu-standin: reference"
     assert len((tmp_path / "results.csv").read_text().splitlines()) == 1 + len(rows)
     assert capsys.readouterr().out.rstrip().endswith((tmp_path / "table.txt").read_text().rstrip())
+
+
+def test_cpu_standin_run_settles_and_times_sustained(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    slept = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(harness.time, "sleep", lambda s: slept.append(s) or real_sleep(0))
+    monkeypatch.setattr(harness, "HOT_WARM_S", 0.0)
+    assert _standin_run(tmp_path, "--variants", "fwd,bwd_det,ref_fwd", "--matmul-n", "0",
+                        "--copy-mb", "0", "--settle-s", "0.25", "--hot-s", "0.01") == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fwd", "bwd_det", "ref_fwd"]
+    assert slept == [0.25] * 3  # before every variant's timed calls, the reference's too
+    assert all(r["ms_hot"] > 0 for r in rows[:2]) and rows[2]["ms_hot"] is None
+    assert "| ms hot | hot MHz |" in (tmp_path / "table.txt").read_text()
 
 
 def _failing(monkeypatch, variant, error):

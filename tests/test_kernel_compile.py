@@ -366,8 +366,9 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
 
     schedule = two_warpgroup_schedule(mode)
-    assert schedule == ((2, False, False, 4) if mode == "exact" else (1, True, False, 8))
-    wg0_chunks, overlap, _, row_lanes = schedule
+    assert schedule == ((2, False, False, 4, False) if mode == "exact"
+                        else (1, True, False, 8, True))
+    wg0_chunks, overlap, _, row_lanes, pred_red = schedule
     src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
     branch = src.index("if (((int)threadIdx.x) < 128)")
     wg1 = src.index("pds_full[0].wait(")
@@ -375,7 +376,16 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     def stmt(i):
         return src[i:src.index(";", i)]
 
-    sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[", src)]
+    sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[|pf_red_add_v4_if\(\(",
+                                            src)]
+    # the atomic mode's are predicated reds (no branch around them, sparse_bwd.RED_V4_SRC):
+    # predicate and address from the same row (-1 and rows past S_kv add nothing), the offset
+    # from the batch's first row
+    red = (r"pf_red_add_v4_if\(\(\(0 <= (row_\d+)\) && \(\1 < S_kv\)\), \(&\(dKV_acc\[\(\(\(\("
+           r"int64_t\)\(\(int\)blockIdx\.y\)\) \* \(\(int64_t\)S_kv\)\) \* \(int64_t\)576\)\]\)\), "
+           r"\(+\(int64_t\)max\(\1, 0\)\) \* \(int64_t\)576\)")
+    assert all(bool(re.match(red, stmt(i))) == pred_red for i in sites)
+    assert ("@q red.relaxed.gpu.global.add.v4.f32" in src) == pred_red
     w0 = [i for i in sites if branch < i < wg1]
     w1 = [i for i in sites if i > wg1]
     assert len(w0) + len(w1) == len(sites)
@@ -388,14 +398,15 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
         assert "__shfl_xor_sync((uint)4294967295, condval" not in src
     else:
         def col(i):
-            m = re.search(r"\+ \(int64_t\)(\d+)\)\]\)\), \(&\(r4\[0\]\)", stmt(i))
+            m = re.search(r"\+ \(int64_t\)(\d+)\)(?:\]\)\), \(&\(r4\[0\]\)|, r4\[0\], r4\[1\], "
+                          r"r4\[2\], r4\[3\]\))", stmt(i))
             return int(m.group(1)) if m else 0
 
         # two atomics per row pair and chunk (the even quad's row, then the odd one's): the
         # tail on warpgroup 0, warpgroup 1's chunks one after another
         assert [col(i) for i in w0] == [512, 512]
         assert [col(i) for i in w1] == [c for c in range(0, 512, 64) for _ in (0, 1)]
-        assert all(re.search(r"row_[eo](_\d+)?\) \* \(int64_t\)576", stmt(i)) for i in sites)
+        assert all(re.search(r"row_[eo\d]+(?:, 0\))?\) \* \(int64_t\)576", stmt(i)) for i in sites)
         # one exchange per chunk (4 floats by lane t ^ 4), the partner's slots once per block
         assert len(re.findall(r"r4\[\(\w+ \+ 12\)\] = __shfl_xor_sync\(\(uint\)4294967295, "
                               r"condval_\d+, 4, 32\)", src)) == len(sites) // 2
@@ -437,8 +448,9 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
         data_e = odd + sel.format(12, 4) + r"r4\[\2\]=\1;"
         data_o = odd + sel.format(8, 12) + r"r4\[\2\]=\1;"
         hi, lo = r"\(\(\w+>>1\)\+2\)", r"\(\w+>>1\)"
+        # (with pred_red the row is the red's argument, named row_N)
         row = (r"int(condval_\d+);" + odd + r"\{{\1=slot\[{1}\];\}}else\{{\1=slot\[{2}\];\}}"
-               r"int{0}(?:_\d+)?=\1;")
+               r"int(?:{0}|row)(?:_\d+)?=\1;")
         row_e, row_o = row.format("row_e", hi, lo), row.format("row_o", lo, hi)
         for pat in (send, data_e, data_o, row_e, row_o):
             assert len(re.findall(pat, flat)) == n, pat
@@ -494,18 +506,21 @@ def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
 def test_two_warpgroup_schedule_defaults_by_mode():
     """``sparse_bwd.two_warpgroup_schedule``: the atomic mode overlaps its dKV chunks with the
     rope tail on warpgroup 0 and eight lanes per row, the exact mode keeps two chunks there, one
-    accumulator and four lanes (docs/performance.md, runs 86-87).  A knob that leaves warpgroup
+    accumulator and four lanes; the atomic mode's atomics are predicated ``red`` instructions
+    (docs/performance.md, runs 86-87, 91).  A knob that leaves warpgroup
     0 no chunk (``wg0_chunks=0`` or ``w1_right``) turns the overlap's default off instead of
     building a kernel that the overlap's assert refuses (a review found ``wg0_chunks=0`` alone
     refused in the atomic mode)."""
     from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
 
-    assert two_warpgroup_schedule("atomic") == (1, True, False, 8)
-    assert two_warpgroup_schedule("exact") == (2, False, False, 4)
-    assert two_warpgroup_schedule("atomic", wg0_chunks=0) == (0, False, False, 8)
-    assert two_warpgroup_schedule("atomic", w1_right=True) == (0, False, True, 8)
-    assert two_warpgroup_schedule("atomic", overlap=False) == (0, False, False, 8)
-    assert two_warpgroup_schedule("exact", row_lanes=8, overlap=True) == (2, True, False, 8)
+    assert two_warpgroup_schedule("atomic") == (1, True, False, 8, True)
+    assert two_warpgroup_schedule("exact") == (2, False, False, 4, False)
+    assert two_warpgroup_schedule("atomic", wg0_chunks=0) == (0, False, False, 8, True)
+    assert two_warpgroup_schedule("atomic", w1_right=True) == (0, False, True, 8, True)
+    assert two_warpgroup_schedule("atomic", overlap=False) == (0, False, False, 8, True)
+    assert two_warpgroup_schedule("exact", row_lanes=8, overlap=True) == (2, True, False, 8, False)
+    assert two_warpgroup_schedule("exact", pred_red=True)[4] is True
+    assert two_warpgroup_schedule("atomic", pred_red=False)[4] is False
 
 
 def test_main_args_reach_the_fused_parameters():

@@ -14,7 +14,9 @@ on unless --no-check-indices; outputs checked finite and, over two calls, bitwis
 on --ref-shapes, the package's fp32 reference (ref_fwd, ref_bwd; its row's note has our fwd's
 and bwd_det's relative L2 error against it on the same inputs); first a dense bf16 matmul and
 a device copy, the measured ceilings.  CUDA events around each call, --sets input sets rotated
-call by call.  Work model: model.py.  Output in --out: results.json, results.csv (rewritten
+call by call; each variant's timed calls start after --settle-s of idle (the same GPU state for
+every row, whatever ran before), and --hot-s adds its sustained time at the power limit
+(ms_hot).  Work model: model.py.  Output in --out: results.json, results.csv (rewritten
 after every shape), table.txt (printed last), time_per_shape.png (with matplotlib).  A shape
 out of device memory is recorded as skipped; any other error stops the run, after saving.
 """
@@ -69,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--sm-scale", type=float, default=DEFAULT_SM_SCALE)
     add("--no-check-indices", action="store_true",
         help="call our wrappers with check_indices=False (as the op's backward calls them)")
+    add("--settle-s", type=float, help="idle seconds before each timing, so that every row "
+        f"starts from the same GPU state (default {harness.SETTLE_S:g}; --cpu-standin: 0)")
+    add("--hot-s", type=float, help="also time each variant sustained: the mean per call over "
+        f"this many s after {harness.HOT_WARM_S:g} s of back-to-back calls, the GPU at its power "
+        f"limit (column ms_hot; default {harness.HOT_S:g}; 0 or --cpu-standin: not timed)")
     add("--seed", type=int, default=0)
     add("--budget-s", type=float, default=540.0, help="start no new shape after this many s")
     add("--stages", action="store_true",
@@ -105,6 +112,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if set(a.variant_list) - set(VARIANTS):
         p.error(f"--variants: unknown {sorted(set(a.variant_list) - set(VARIANTS))}; known: "
                 + ", ".join(VARIANTS))
+    if a.settle_s is None:
+        a.settle_s = 0.0 if a.cpu_standin else harness.SETTLE_S
+    if a.hot_s is None:
+        a.hot_s = 0.0 if a.cpu_standin else harness.HOT_S
+    if a.settle_s < 0 or a.hot_s < 0:
+        p.error("--settle-s and --hot-s must be >= 0")
     a.reps = a.reps if a.reps is not None else (20 if a.quick else 50)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
     a.ref_reps = a.ref_reps if a.ref_reps is not None else (2 if a.quick else 3)
@@ -226,11 +239,14 @@ def sampled_calls(torch, clock, fn, inputs, warmup, reps) -> tuple[list, dict]:
     return times, gpu.fields()
 
 
-def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
-    """First call (compile + run, wall s), then the timed calls with the GPU's median SM clock
-    (``sm_mhz``, MHz) and board power (``power_w``, W) while they ran; peak memory on the GPU;
-    with ``check``, whether the outputs are finite and two calls on the same inputs bitwise
-    equal."""
+def time_variant(torch, clock, fn, inputs, warmup, reps, check, settle_s=0.0,
+                 hot_s=0.0) -> dict:
+    """First call (compile + run, wall s), then, after ``settle_s`` of idle
+    (:func:`harness.settle`), the timed calls with the GPU's median SM clock (``sm_mhz``, MHz)
+    and board power (``power_w``, W) while they ran; peak memory on the GPU; with ``check``,
+    whether the outputs are finite and two calls on the same inputs bitwise equal; with
+    ``hot_s``, last, the sustained time (``ms_hot``, :func:`harness.sustained_ms`) and its
+    clock (``sm_mhz_hot``)."""
     clock.sync()
     if clock.cuda:
         base = torch.cuda.memory_allocated()
@@ -239,6 +255,7 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
     fn(inputs[0])
     clock.sync()
     res = {"first_call_s": time.perf_counter() - t0}
+    harness.settle(clock, settle_s)
     times, gpu = sampled_calls(torch, clock, fn, inputs, warmup, reps)
     res.update(harness.summarize(times), **gpu)
     if clock.cuda:
@@ -249,6 +266,10 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check) -> dict:
         res["repeatable"] = all(torch.equal(u, v) for u, v in zip(x, y))
         if not all(bool(torch.isfinite(u).all()) for u in x):
             res["note"] = "non-finite output"
+    if hot_s > 0:
+        hot = harness.GpuSampler(nvml_reader(torch) if clock.cuda else None)
+        res["ms_hot"] = harness.sustained_ms(clock, fn, inputs, harness.HOT_WARM_S, hot_s, hot)
+        res["sm_mhz_hot"] = hot.sm_mhz
     return res
 
 
@@ -494,7 +515,9 @@ def run(a: argparse.Namespace) -> int:
             + (f"{row['tflops']:7.1f} TFLOP/s" if row["tflops"] else f"{row['tbs']:.2f} TB/s")
             + (f", first call {row['first_call_s']:.1f} s" if row["first_call_s"] > 2 else "")
             + (f", SM {row['sm_mhz']:.0f} MHz" if row["sm_mhz"] is not None else "")
-            + (f", {row['power_w']:.0f} W" if row["power_w"] is not None else ""))
+            + (f", {row['power_w']:.0f} W" if row["power_w"] is not None else "")
+            + (f"; sustained {row['ms_hot']:.3f} ms{harness.clock_note(row['sm_mhz_hot'])}"
+               if row["ms_hot"] is not None else ""))
         return row
 
     def save():
@@ -524,7 +547,8 @@ def run(a: argparse.Namespace) -> int:
                     ref = v.startswith("ref")  # slow: its first call is the warm-up
                     row = harness.make_row(s, v, meta, **time_variant(
                         torch, clock, fns[v], sets, 0 if ref else a.warmup,
-                        a.ref_reps if ref else a.reps, not ref))
+                        a.ref_reps if ref else a.reps, not ref, a.settle_s,
+                        0.0 if ref else a.hot_s))
                     harness.fill_rates(row, *model.work(s, "fwd" if "fwd" in v else "bwd"),
                                        meta["peak_tflops"], meta["copy_tbs"])
                     if cpu and not ref:

@@ -7,6 +7,7 @@ model.py.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import datetime as _dt
@@ -63,6 +64,53 @@ def time_calls(clock: Clock, fn: Callable, inputs: Sequence, warmup: int, reps: 
         marks.append((start, clock.mark()))
     clock.sync()
     return [clock.ms(a, b) for a, b in marks]
+
+
+#: Seconds of idle before each timing (:func:`settle`), of back-to-back calls before a sustained
+#: timing and of the sustained timing (:func:`sustained_ms`): the benchmark's defaults and
+#: ``tools/experiments/kernel_trial.py --state cool / hot``.
+SETTLE_S, HOT_WARM_S, HOT_S = 1.5, 1.5, 1.0
+
+
+def settle(clock: Clock, seconds: float) -> None:
+    """Let the device finish its queue and then idle ``seconds``, so that a timing starts from
+    the same state whatever ran before it: under sustained load the H200 reaches its 700 W
+    limit within about a second and lowers its clock, and a variant timed right after a heavy
+    one ran up to ~15% slower than the same calls after an idle pause (docs/performance.md,
+    "How it is measured")."""
+    clock.sync()
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def sustained_ms(clock: Clock, fn: Callable, inputs: Sequence, warm_s: float, hot_s: float,
+                 sampler=None, batch: int = 4) -> float:
+    """Mean ms per call of ``fn(input)`` over ``hot_s`` seconds of back-to-back calls, after
+    ``warm_s`` seconds of them: the device at its power limit, as in a training loop.  A sync
+    every ``batch`` calls keeps the queue short enough to stop on time (its host gaps, ~1% at
+    the benchmark's shapes, are the same for every variant); the inputs rotate as in
+    :func:`time_calls`.  ``sampler`` (e.g. a :class:`GpuSampler`) is entered around the
+    measured seconds only."""
+    done = 0
+
+    def busy(seconds):
+        nonlocal done
+        n, t = 0, time.perf_counter()
+        while time.perf_counter() - t < seconds or n == 0:
+            for _ in range(batch):
+                fn(inputs[done % len(inputs)])
+                done += 1
+            n += batch
+            clock.sync()
+        return n
+
+    busy(warm_s)
+    with sampler if sampler is not None else contextlib.nullcontext():
+        start = clock.mark()
+        n = busy(hot_s)
+        end = clock.mark()
+        clock.sync()
+    return clock.ms(start, end) / n
 
 
 def summarize(samples_ms: Sequence[float]) -> dict:
@@ -178,7 +226,7 @@ def clock_note(mhz: float | None) -> str:
 FIELDS = ("gpu", "torch", "tilelang", "timestamp", "git",
           "shape", "B", "S", "S_kv", "H", "topk", "Dk", "Dv",
           "variant", "status", "reps", "ms", "ms_p20", "ms_p80", "ms_min", "ms_max",
-          "sm_mhz", "power_w",
+          "sm_mhz", "power_w", "ms_hot", "sm_mhz_hot",
           "gflop", "tflops", "frac_peak", "tbs", "floor_ms", "x_floor", "peak_mem_mb",
           "extra_mem_mb", "det_over_atomic", "repeatable", "first_call_s", "a2a_mb", "note")
 META_FIELDS = FIELDS[:5]
@@ -268,15 +316,18 @@ RESULT_COLS = (
 )
 #: The median SM clock while a variant ran, after ``p20-p80``: the time it explains.
 SM_MHZ_COL = ("SM MHz", "sm_mhz", ".0f")
+#: The sustained time (:func:`sustained_ms`) and its clock, after the clock.
+HOT_COLS = (("ms hot", "ms_hot", ".3f"), ("hot MHz", "sm_mhz_hot", ".0f"))
 
 
 def result_cols(rows: Sequence[dict]) -> tuple:
-    """:data:`RESULT_COLS` with :data:`SM_MHZ_COL` after ``p20-p80`` where a row has a clock:
-    results of runs that did not record it (docs/perf/h200-latest.json) keep their table."""
-    if not any(r.get("sm_mhz") is not None for r in rows):
-        return RESULT_COLS
+    """:data:`RESULT_COLS` with :data:`SM_MHZ_COL` after ``p20-p80`` where a row has a clock,
+    then :data:`HOT_COLS` where a row has a sustained time: results of runs that did not record
+    them (older files under docs/perf/) keep their table."""
+    extra = (((SM_MHZ_COL,) if any(r.get("sm_mhz") is not None for r in rows) else ())
+             + (HOT_COLS if any(r.get("ms_hot") is not None for r in rows) else ()))
     i = [c[0] for c in RESULT_COLS].index("p20-p80") + 1
-    return RESULT_COLS[:i] + (SM_MHZ_COL,) + RESULT_COLS[i:]
+    return RESULT_COLS[:i] + extra + RESULT_COLS[i:]
 
 
 def floors_table(shapes: Sequence[model.Shape], peak_tflops: float = model.H200_MATMUL_TFLOPS,

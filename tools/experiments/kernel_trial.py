@@ -13,8 +13,8 @@ printed lines go into docs/performance.md.
 threads, num_stages, warp_specialized, row_extent, consumer_regs);
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right, row_extent, row_lanes; ``None`` is the kernel's default for the
-knobs whose default is ``None``, by mode for wg0_chunks, overlap and row_lanes
+wg0_chunks, overlap, w1_right, row_extent, row_lanes, pred_red; ``None`` is the kernel's default
+for the knobs whose default is ``None``, by mode for wg0_chunks, overlap, row_lanes and pred_red
 (``sparse_bwd.two_warpgroup_schedule``): give ``row_extent`` (default ``True``) and
 ``consumer_regs`` (224) as values, ``None`` there means ``False`` / fails; ``...,False`` gives
 the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
@@ -120,46 +120,29 @@ CHECK = False
 UNFUSED = False
 
 #: the GPU's state for each timing (--state): "queued" as left by the previous calls; "cool":
-#: after IDLE_S of idle (the boost clock); "hot": the mean per call over HOT_S after WARM_S of
-#: back-to-back calls (the clock at the 700 W power limit, as in training; docs/performance.md
+#: after harness.SETTLE_S of idle (the boost clock); "hot": the mean per call over
+#: harness.HOT_S after harness.HOT_WARM_S of back-to-back calls (the clock at the 700 W power
+#: limit, as in training); the benchmark's settled and sustained timings (docs/performance.md,
 #: "How it is measured")
 STATE = "queued"
-IDLE_S, WARM_S, HOT_S = 1.5, 1.5, 1.0
-
-
-def _hot_ms(fn):
-    def busy(seconds):
-        # a sync every 4 calls keeps the queue short enough to stop on time; its host gaps
-        # (~1%) are the same for every variant
-        n, t = 0, time.time()
-        while time.time() - t < seconds:
-            for _ in range(4):
-                fn()
-            n += 4
-            torch.cuda.synchronize()
-        return n
-    busy(WARM_S)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with harness.GpuSampler(nvml_reader(torch)) as gpu:  # the measured second only
-        e0.record()
-        n = busy(HOT_S)
-        e1.record()
-        torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n, gpu.sm_mhz
 
 
 def median_ms(fn, reps):
     """``(ms, SM MHz)``: the median of ``reps`` calls after one warm-up (CUDA events, the
-    benchmark's clock), after ``IDLE_S`` of idle in the ``--state cool``; in the ``--state hot``
-    the mean per call of sustained calls (``reps`` unused).  The clock (NVML, None where it
-    cannot be read) is the median while the timed calls ran, as the benchmark's rows record it:
-    cool rounds of one shape ranged 4.05-4.54 ms at h128 (runs 79-80) with no clock beside."""
+    benchmark's clock), after the benchmark's idle pause in the ``--state cool``; in the
+    ``--state hot`` the mean per call of sustained calls (``reps`` unused).  The clock (NVML,
+    None where it cannot be read) is the median while the timed calls ran, as the benchmark's
+    rows record it: cool rounds of one shape ranged 4.05-4.54 ms at h128 (runs 79-80) with no
+    clock beside."""
+    clock = harness.Clock(torch)
     if STATE == "hot":
-        return _hot_ms(fn)
+        gpu = harness.GpuSampler(nvml_reader(torch))  # the measured second only
+        ms = harness.sustained_ms(clock, lambda _: fn(), [None], harness.HOT_WARM_S,
+                                  harness.HOT_S, gpu)
+        return ms, gpu.sm_mhz
     if STATE == "cool":
-        torch.cuda.synchronize()
-        time.sleep(IDLE_S)
-    times, gpu = sampled_calls(torch, harness.Clock(torch), lambda _: fn(), [None], 1, reps)
+        harness.settle(clock, harness.SETTLE_S)
+    times, gpu = sampled_calls(torch, clock, lambda _: fn(), [None], 1, reps)
     return harness.summarize(times)["ms"], gpu["sm_mhz"]
 
 

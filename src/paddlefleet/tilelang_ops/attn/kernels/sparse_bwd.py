@@ -59,9 +59,10 @@ RERUN_CTAS = 132
 W1_RIGHT = False
 
 
-def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, row_lanes=None):
-    """``(wg0_chunks, overlap, w1_right, row_lanes)`` of :func:`_two_warpgroups` for ``mode``,
-    the defaults (``None``) filled in (docs/performance.md, runs 38, 82-83, 86-87):
+def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, row_lanes=None,
+                           pred_red=None):
+    """``(wg0_chunks, overlap, w1_right, row_lanes, pred_red)`` of :func:`_two_warpgroups` for
+    ``mode``, the defaults (``None``) filled in (docs/performance.md, runs 38, 82-83, 86-87, 91):
 
     * ``w1_right``: :data:`W1_RIGHT`;
     * ``overlap``: in the atomic mode, unless ``w1_right`` or ``wg0_chunks=0`` leaves warpgroup 0
@@ -72,7 +73,9 @@ def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, r
     * ``row_lanes``: 8 in the atomic mode (128-byte pieces: run 82 adds them 17% faster than
       64-byte ones; alone, run 83 moved the atomic call by -2% to +1%, with ``overlap`` it is
       the schedule of run 86), 4 in the exact mode (8 lost there, +2.6-6.2%: with its rounding
-      ptxas spills)."""
+      ptxas spills);
+    * ``pred_red``: in the atomic mode (run 91: -1.2 to -2.6% cool, -0.2 to -1.8% hot); the exact
+      mode lost with it (+2 to +3% cool, +0.7 to +1.7% hot)."""
     atomic = mode == "atomic"
     if w1_right is None:
         w1_right = W1_RIGHT
@@ -82,7 +85,20 @@ def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, r
         wg0_chunks = 0 if w1_right else (int(bool(overlap)) if atomic else 2)
     if row_lanes is None:
         row_lanes = 8 if atomic else 4
-    return wg0_chunks, bool(overlap), bool(w1_right), row_lanes
+    if pred_red is None:
+        pred_red = atomic
+    return wg0_chunks, bool(overlap), bool(w1_right), row_lanes, bool(pred_red)
+
+
+#: ``pred_red``: a 16-byte fp32 reduction under a predicate (PTX ISA 8.1+, sm_90), no branch
+RED_V4_SRC = r"""
+__device__ __forceinline__ void pf_red_add_v4_if(bool p, float* base, long long off, float x,
+                                                 float y, float z, float w) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %0, 0;\n"
+               "@q red.relaxed.gpu.global.add.v4.f32 [%1], {%2, %3, %4, %5};\n}\n"
+               :: "r"((int)p), "l"(base + off), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+"""
 
 
 # exact mode: u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum
@@ -256,7 +272,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
          dkv_chunk: int | None = None, dkv_transposed: bool | None = None,
          warp_specialized: bool | None = None, wg0_chunks: int | None = None,
          overlap: bool | None = None, w1_right: bool | None = None, row_extent: bool = True,
-         row_lanes: int | None = None, fused: bool = False, natural: bool = True):
+         row_lanes: int | None = None, pred_red: bool | None = None, fused: bool = False,
+         natural: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -308,8 +325,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     as :func:`_two_warpgroups` instead (two warpgroups with different roles, 64-key blocks); the
     other knobs then do not apply, ``wg0_chunks`` (0, 1 or 2) is how many of each block's nine
     dKV chunks its scores warpgroup adds, ``overlap`` gives the dKV warpgroup two accumulators
-    and ``row_lanes`` (4 or 8) is how many lanes add each key row's piece of an atomic (defaults
-    by mode: :func:`two_warpgroup_schedule`); ``row_extent`` (default) makes it walk a row only
+    and ``row_lanes`` (4 or 8) is how many lanes add each key row's piece of an atomic,
+    ``pred_red`` adds each piece with a predicated ``red`` instead of one behind a branch
+    (:data:`RED_V4_SRC`; defaults by mode: :func:`two_warpgroup_schedule`); ``row_extent`` (default) makes it walk a row only
     up to the block that holds its last slot with a key, rows last-first (``row_blocks``;
     ``False``: every block, a trial knob).
     ``threads``, ``num_stages``, ``dkv_chunk``: ``None`` is 256, 1, 128.
@@ -328,7 +346,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
         return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
-                               row_extent, row_lanes, fused, natural)
+                               row_extent, row_lanes, pred_red, fused, natural)
     assert not fused, "the fused preprocess is built into the two-warpgroup kernel only"
     threads = 256 if threads is None else threads
     num_stages = 1 if num_stages is None else num_stages
@@ -582,7 +600,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
 def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool | None = None,
                     w1_right: bool | None = None, row_extent: bool = True,
-                    row_lanes: int | None = None, fused: bool = False, natural: bool = True):
+                    row_lanes: int | None = None, pred_red: bool | None = None,
+                    fused: bool = False, natural: bool = True):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -646,8 +665,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     """
     assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
     exact = mode == "exact"
-    wg0_chunks, overlap, w1_right, row_lanes = two_warpgroup_schedule(mode, wg0_chunks, overlap,
-                                                                      w1_right, row_lanes)
+    wg0_chunks, overlap, w1_right, row_lanes, pred_red = two_warpgroup_schedule(
+        mode, wg0_chunks, overlap, w1_right, row_lanes, pred_red)
     assert wg0_chunks in (0, 1, 2)
     # with no chunk on warpgroup 0 the overlapped list would end in the rope tail, a case that
     # gave a wrong dKV (run 38) and was slower anyway
@@ -751,6 +770,18 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             dst[j, g] = acc[j, step * (g // 4) + 2 * (g % 4) + first]
 
     @T.macro
+    def red4(dKV_acc, b_i, row, c, v):
+        # pred_red: v[0:4] into dKV_acc[b_i, row, c:c + 4] unless row is -1 (or past S_kv), one
+        # predicated 16-byte red (RED_V4_SRC) instead of an atomic behind an `if`: the `if` ended
+        # a basic block at every atomic, so ptxas could not move the next shuffles above it
+        # and waited for each of their results (run 90's profile: 11% of the samples, short
+        # scoreboard).  The row's offset from the batch's first row, not an index into dKV_acc:
+        # TileLang puts its own bounds test (a branch) around a data-dependent index
+        T.call_extern("handle", "pf_red_add_v4_if", T.And(row >= 0, row < S_kv),
+                      T.address_of(dKV_acc[b_i, 0, 0]), T.Cast("int64", T.max(row, 0)) * d_qk + c,
+                      v[0], v[1], v[2], v[3])
+
+    @T.macro
     def scatter_chunk(acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
         # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
         # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
@@ -772,7 +803,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 r4[2] = ev[2][j, g]
                 r4[3] = ev[3][j, g]
                 to_grid(r4, 0, inv_l, u_l, i)
-                if slot[i] >= 0:
+                if pred_red:
+                    red4(dKV_acc, b_i, slot[i], col + 4 * g, r4)
+                elif slot[i] >= 0:
                     T.atomic_addx4(dKV_acc[b_i, slot[i], col + 4 * g], r4[0])
         else:
             # eight lanes per row: quads q and q ^ 1 (lanes t and t ^ 4, rows j and j ^ 1) each
@@ -808,12 +841,16 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 for e in T.unroll(4):
                     r4[e] = T.if_then_else(odd, r4[12 + e], r4[4 + e])
                 row_e = T.if_then_else(odd, slot[2 + i], slot[i])  # the even quad's row
-                if row_e >= 0:
+                if pred_red:
+                    red4(dKV_acc, b_i, row_e, col_e, r4)
+                elif row_e >= 0:
                     T.atomic_addx4(dKV_acc[b_i, row_e, col_e], r4[0])
                 for e in T.unroll(4):
                     r4[e] = T.if_then_else(odd, r4[8 + e], r4[12 + e])
                 row_o = T.if_then_else(odd, slot[i], slot[2 + i])  # the odd quad's row
-                if row_o >= 0:
+                if pred_red:
+                    red4(dKV_acc, b_i, row_o, col_e, r4)
+                elif row_o >= 0:
                     T.atomic_addx4(dKV_acc[b_i, row_o, col_e], r4[0])
 
     @T.macro
@@ -936,7 +973,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     def body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
              BoundExp, O, Lse, Sink, DSink):
         # the kernel; O, Lse, Sink, DSink: None unless fused
-        with T.Kernel(S, B, H_pad // M, threads=2 * WG) as (bx, b_i, g_i):
+        with T.Kernel(S, B, H_pad // M, threads=2 * WG,
+                      prelude=RED_V4_SRC if pred_red else None) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
