@@ -123,10 +123,16 @@ def test_every_kernel_takes_the_shared_pass_configs():
     assert all(d == "pass_configs=settings.PASS_CONFIGS" for d in decorators), decorators
 
 
-@pytest.mark.parametrize("name, args", SPECS,
-                         ids=["_".join(map(str, (n,) + (a if n == "bwd_pre" else a[:1] + a[3:5])))
-                              + ("_fused_natural" if a[16:] == (True,) else "_fused_log2"
-                                 if a[16:] else "") for n, a in SPECS])
+def _spec_id(name, args):
+    # fused first passes end in (fused, natural) after the key block and the schedule knobs
+    from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS
+
+    fused = args[6 + len(MAIN_KNOB_DEFAULTS):] if name == "bwd_main" else ()
+    return ("_".join(map(str, (name,) + (args if name == "bwd_pre" else args[:1] + args[3:5])))
+            + (("_fused_natural" if fused[1] else "_fused_log2") if fused else ""))
+
+
+@pytest.mark.parametrize("name, args", SPECS, ids=[_spec_id(n, a) for n, a in SPECS])
 def test_kernel_lowers_for_sm90a(name, args):
     art = _lower(name, args)
     src = art.kernel_source
@@ -136,7 +142,10 @@ def test_kernel_lowers_for_sm90a(name, args):
         assert "wgmma" in src, "the 64-head kernels should use Hopper wgmma"
     _assert_register_handover(src)
     if name == "bwd_main":
-        assert "AtomicAddx4" in src, "the vectorised dKV scatter is missing"
+        # 16-byte atomics; the atomic mode's 64-head first pass as predicated reds (pred_red)
+        red = args[0] == 64 and args[3] == "atomic" and args[4]
+        assert ("pf_red_add_v4_if(" if red else "AtomicAddx4") in src, (
+            "the vectorised dKV scatter is missing")
         exact = args[3] == "exact"
         # the exact mode rounds onto the key's grid and proves its bound with int64 adds
         assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact

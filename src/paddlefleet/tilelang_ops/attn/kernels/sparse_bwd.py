@@ -75,7 +75,7 @@ def two_warpgroup_schedule(mode, wg0_chunks=None, overlap=None, w1_right=None, r
       the schedule of run 86), 4 in the exact mode (8 lost there, +2.6-6.2%: with its rounding
       ptxas spills);
     * ``pred_red``: in the atomic mode (run 91: -1.2 to -2.6% cool, -0.2 to -1.8% hot); the exact
-      mode lost with it (+2 to +3% cool, +0.7 to +1.7% hot)."""
+      mode lost with it (+2.1 to +3.1% cool, +1.1 to +1.6% hot)."""
     atomic = mode == "atomic"
     if w1_right is None:
         w1_right = W1_RIGHT
