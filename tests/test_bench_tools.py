@@ -263,7 +263,15 @@ def test_settle_drains_the_queue_then_idles(monkeypatch):
 
 def test_sustained_ms_is_the_mean_over_the_measured_seconds_only():
     calls, entered = [], []
-    clock = _CountingClock()
+
+    class CallClock(_CountingClock):
+        """Marks count the calls made so far: ms(a, b) is the number of calls between them."""
+
+        def mark(self):
+            return len(calls)
+
+        def ms(self, start, end):
+            return float(end - start)
 
     class Sampler:
         def __enter__(self):
@@ -274,19 +282,20 @@ def test_sustained_ms_is_the_mean_over_the_measured_seconds_only():
 
     def fn(x):
         calls.append(x)
-        time.sleep(0.002)
+        time.sleep(0.001)
 
-    ms = harness.sustained_ms(clock, fn, ["a", "b", "c"], 0.1, 0.05, Sampler(), batch=4)
+    clock = CallClock()
+    ms = harness.sustained_ms(clock, fn, ["a", "b", "c"], 0.02, 0.02, Sampler(), batch=4)
     warm, hot = entered[0], entered[1] - entered[0]
     assert warm >= 4 and warm % 4 == 0 and hot >= 4 and hot % 4 == 0  # whole batches
     assert calls[:6] == ["a", "b", "c", "a", "b", "c"]  # the inputs rotate across both phases
     assert calls[warm] == "abc"[warm % 3] and len(calls) == warm + hot
-    assert ms >= 2.0  # per call (each sleeps 2 ms)
-    assert 0.05 <= ms * hot / 1e3 < 0.1  # the measured span: the 0.05 s, not the warm-up's 0.1
+    # the span between the marks covers the measured calls only, divided by their number
+    assert ms == 1.0
     assert clock.syncs == (warm + hot) // 4 + 1  # one per batch and one at the end
     # zero seconds still time one batch (no division by zero)
     calls.clear()
-    assert harness.sustained_ms(clock, fn, ["a"], 0.0, 0.0) > 0 and len(calls) == 8
+    assert harness.sustained_ms(clock, fn, ["a"], 0.0, 0.0) == 1.0 and len(calls) == 8
 
 
 def test_table_has_the_sustained_time_where_rows_carry_it():
@@ -499,8 +508,7 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
 def test_cpu_standin_run_settles_and_times_sustained(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     slept = []
-    real_sleep = time.sleep
-    monkeypatch.setattr(harness.time, "sleep", lambda s: slept.append(s) or real_sleep(0))
+    monkeypatch.setattr(harness, "settle", lambda clock, seconds: slept.append(seconds))
     monkeypatch.setattr(harness, "HOT_WARM_S", 0.0)
     assert _standin_run(tmp_path, "--variants", "fwd,bwd_det,ref_fwd", "--matmul-n", "0",
                         "--copy-mb", "0", "--settle-s", "0.25", "--hot-s", "0.01") == 0

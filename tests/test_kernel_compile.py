@@ -144,8 +144,9 @@ def test_kernel_lowers_for_sm90a(name, args):
     if name == "bwd_main":
         # 16-byte atomics; the atomic mode's 64-head first pass as predicated reds (pred_red)
         red = args[0] == 64 and args[3] == "atomic" and args[4]
-        assert ("pf_red_add_v4_if(" if red else "AtomicAddx4") in src, (
+        assert ("pf_red_add_v4_if((" if red else "AtomicAddx4((") in src, (
             "the vectorised dKV scatter is missing")
+        assert ("AtomicAddx4((" in src) != red, "one form of dKV atomic per kernel"
         exact = args[3] == "exact"
         # the exact mode rounds onto the key's grid and proves its bound with int64 adds
         assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact
@@ -538,14 +539,15 @@ def test_main_args_reach_the_fused_parameters():
     the arguments are those of before (the unfused kernels' cache keys)."""
     import inspect
 
-    from paddlefleet.tilelang_ops.attn.kernels import main_args, sparse_bwd
+    from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS, main_args, sparse_bwd
 
     params = list(inspect.signature(sparse_bwd.main.func).parameters)
     for natural in (True, False):
         args = main_args(64, "atomic", True, fused=True, natural=natural)
         assert dict(zip(params, args))["fused"] is True
         assert dict(zip(params, args))["natural"] is natural and len(args) == len(params)
-        for name, value in zip(params[6:14], args[6:14]):
+        knobs = slice(6, 6 + len(MAIN_KNOB_DEFAULTS))  # every schedule knob at its default
+        for name, value in zip(params[knobs], args[knobs]):
             assert inspect.signature(sparse_bwd.main.func).parameters[name].default == value
     assert main_args(64, "atomic", True) == (64, 576, 512, "atomic", True, 32)
 

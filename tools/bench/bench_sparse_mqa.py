@@ -560,6 +560,7 @@ def run(a: argparse.Namespace) -> int:
                             fns[mine](sets[0]), fns[v](sets[0]), names)
                     add(row)
                     if a.stages and not ref:
+                        harness.settle(clock, a.settle_s)  # not right after the sustained calls
                         rep = payload["stages"][f"{s.name}/{v}"] = stage_report(
                             torch, clock, fns[v], sets, a.reps, inner)
                         for line in stage_lines(f"{s.name} {v}", rep):

@@ -75,9 +75,9 @@ SETTLE_S, HOT_WARM_S, HOT_S = 1.5, 1.5, 1.0
 def settle(clock: Clock, seconds: float) -> None:
     """Let the device finish its queue and then idle ``seconds``, so that a timing starts from
     the same state whatever ran before it: under sustained load the H200 reaches its 700 W
-    limit within about a second and lowers its clock, and a variant timed right after a heavy
-    one ran up to ~15% slower than the same calls after an idle pause (docs/performance.md,
-    "How it is measured")."""
+    limit within about a second and lowers its clock: in run 88 the same forward ran 7% slower
+    timed after other shapes' backward rows than as the first row (docs/performance.md, "How
+    it is measured")."""
     clock.sync()
     if seconds > 0:
         time.sleep(seconds)
@@ -86,7 +86,8 @@ def settle(clock: Clock, seconds: float) -> None:
 def sustained_ms(clock: Clock, fn: Callable, inputs: Sequence, warm_s: float, hot_s: float,
                  sampler=None, batch: int = 4) -> float:
     """Mean ms per call of ``fn(input)`` over ``hot_s`` seconds of back-to-back calls, after
-    ``warm_s`` seconds of them: the device at its power limit, as in a training loop.  A sync
+    ``warm_s`` seconds of them, as in a training loop (the 64- and 128-head shapes reach the
+    H200's 700 W limit that way; the 8- and 16-head ones stay at 1980 MHz).  A sync
     every ``batch`` calls keeps the queue short enough to stop on time (its host gaps, ~1% at
     the benchmark's shapes, are the same for every variant); the inputs rotate as in
     :func:`time_calls`.  ``sampler`` (e.g. a :class:`GpuSampler`) is entered around the

@@ -327,9 +327,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     dKV chunks its scores warpgroup adds, ``overlap`` gives the dKV warpgroup two accumulators
     and ``row_lanes`` (4 or 8) is how many lanes add each key row's piece of an atomic,
     ``pred_red`` adds each piece with a predicated ``red`` instead of one behind a branch
-    (:data:`RED_V4_SRC`; defaults by mode: :func:`two_warpgroup_schedule`); ``row_extent`` (default) makes it walk a row only
-    up to the block that holds its last slot with a key, rows last-first (``row_blocks``;
-    ``False``: every block, a trial knob).
+    (:data:`RED_V4_SRC`; defaults by mode: :func:`two_warpgroup_schedule`); ``row_extent``
+    (default) makes it walk a row only up to the block that holds its last slot with a key,
+    rows last-first (``row_blocks``; ``False``: every block, a trial knob).
     ``threads``, ``num_stages``, ``dkv_chunk``: ``None`` is 256, 1, 128.
 
     ``fused=True`` (the two-warpgroup kernel only) also does the preprocess's work for its
