@@ -313,8 +313,9 @@ def test_settle_and_hot_defaults_by_device():
     cpu = bench.parse_args(["--cpu-standin"])
     assert (cpu.settle_s, cpu.hot_s) == (0.0, 0.0)
     assert bench.parse_args(["--settle-s", "0", "--hot-s", "2"]).hot_s == 2.0
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--hot-s", "-1"])
+    for bad in (["--hot-s", "-1"], ["--settle-s", "inf"], ["--hot-s", "nan"]):
+        with pytest.raises(SystemExit):  # inf never ends, nan would skip the pause silently
+            bench.parse_args(bad)
 
 
 def test_table_has_the_sm_clock_where_rows_carry_it():

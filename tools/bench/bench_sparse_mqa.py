@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -71,11 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--sm-scale", type=float, default=DEFAULT_SM_SCALE)
     add("--no-check-indices", action="store_true",
         help="call our wrappers with check_indices=False (as the op's backward calls them)")
-    add("--settle-s", type=float, help="idle seconds before each timing, so that every row "
-        f"starts from the same GPU state (default {harness.SETTLE_S:g}; --cpu-standin: 0)")
-    add("--hot-s", type=float, help="also time each variant sustained: the mean per call over "
-        f"this many s after {harness.HOT_WARM_S:g} s of back-to-back calls, the GPU at its power "
-        f"limit (column ms_hot; default {harness.HOT_S:g}; 0 or --cpu-standin: not timed)")
+    add("--settle-s", type=float, help="idle seconds before each variant's timed calls (ours "
+        "and the reference's, not the ceilings'), so that every row starts from the same GPU "
+        f"state (default {harness.SETTLE_S:g}; --cpu-standin: 0)")
+    add("--hot-s", type=float, help="also time each of our variants sustained: the mean per "
+        f"call over this many s after {harness.HOT_WARM_S:g} s of back-to-back calls, as in a "
+        f"training loop (column ms_hot; default {harness.HOT_S:g}; --cpu-standin: 0; 0: not "
+        "timed)")
     add("--seed", type=int, default=0)
     add("--budget-s", type=float, default=540.0, help="start no new shape after this many s")
     add("--stages", action="store_true",
@@ -116,8 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.settle_s = 0.0 if a.cpu_standin else harness.SETTLE_S
     if a.hot_s is None:
         a.hot_s = 0.0 if a.cpu_standin else harness.HOT_S
-    if a.settle_s < 0 or a.hot_s < 0:
-        p.error("--settle-s and --hot-s must be >= 0")
+    for flag, value in (("--settle-s", a.settle_s), ("--hot-s", a.hot_s)):
+        if not (math.isfinite(value) and value >= 0):
+            p.error(f"{flag}: expected a finite number of seconds >= 0, got {value}")
     a.reps = a.reps if a.reps is not None else (20 if a.quick else 50)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
     a.ref_reps = a.ref_reps if a.ref_reps is not None else (2 if a.quick else 3)
