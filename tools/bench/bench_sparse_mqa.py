@@ -238,9 +238,20 @@ def sampled_calls(torch, clock, fn, inputs, warmup, reps) -> tuple[list, dict]:
     """:func:`harness.time_calls` and the GPU's median SM clock and board power while they ran
     (``{"sm_mhz": MHz, "power_w": W}``, None where NVML cannot be read): the clock falls from
     1980 to ~1750 MHz at the H200's power limit under sustained load, and the times with it."""
-    with harness.GpuSampler(nvml_reader(torch) if clock.cuda else None) as gpu:
+    with _sampler(torch, clock) as gpu:
         times = harness.time_calls(clock, fn, inputs, warmup, reps)
     return times, gpu.fields()
+
+
+def sustained_calls(torch, clock, fn, inputs, hot_s) -> tuple[float, float | None]:
+    """:func:`harness.sustained_ms` over ``hot_s`` (after ``harness.HOT_WARM_S`` of calls) and
+    the GPU's median SM clock over the measured seconds (MHz; None where NVML cannot be read)."""
+    gpu = _sampler(torch, clock)
+    return harness.sustained_ms(clock, fn, inputs, harness.HOT_WARM_S, hot_s, gpu), gpu.sm_mhz
+
+
+def _sampler(torch, clock):
+    return harness.GpuSampler(nvml_reader(torch) if clock.cuda else None)
 
 
 def time_variant(torch, clock, fn, inputs, warmup, reps, check, settle_s=0.0,
@@ -249,8 +260,8 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check, settle_s=0.0,
     (:func:`harness.settle`), the timed calls with the GPU's median SM clock (``sm_mhz``, MHz)
     and board power (``power_w``, W) while they ran; peak memory on the GPU; with ``check``,
     whether the outputs are finite and two calls on the same inputs bitwise equal; with
-    ``hot_s``, last, the sustained time (``ms_hot``, :func:`harness.sustained_ms`) and its
-    clock (``sm_mhz_hot``)."""
+    ``hot_s``, last, the sustained time (``ms_hot``, :func:`sustained_calls`) and its clock
+    (``sm_mhz_hot``)."""
     clock.sync()
     if clock.cuda:
         base = torch.cuda.memory_allocated()
@@ -271,9 +282,7 @@ def time_variant(torch, clock, fn, inputs, warmup, reps, check, settle_s=0.0,
         if not all(bool(torch.isfinite(u).all()) for u in x):
             res["note"] = "non-finite output"
     if hot_s > 0:
-        hot = harness.GpuSampler(nvml_reader(torch) if clock.cuda else None)
-        res["ms_hot"] = harness.sustained_ms(clock, fn, inputs, harness.HOT_WARM_S, hot_s, hot)
-        res["sm_mhz_hot"] = hot.sm_mhz
+        res["ms_hot"], res["sm_mhz_hot"] = sustained_calls(torch, clock, fn, inputs, hot_s)
     return res
 
 

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, "src")
 sys.path.insert(0, "tools/bench")
 import harness  # noqa: E402
-from bench_sparse_mqa import nvml_reader, sampled_calls  # noqa: E402
+from bench_sparse_mqa import sampled_calls, sustained_calls  # noqa: E402
 import model  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
@@ -136,10 +136,7 @@ def median_ms(fn, reps):
     clock beside."""
     clock = harness.Clock(torch)
     if STATE == "hot":
-        gpu = harness.GpuSampler(nvml_reader(torch))  # the measured second only
-        ms = harness.sustained_ms(clock, lambda _: fn(), [None], harness.HOT_WARM_S,
-                                  harness.HOT_S, gpu)
-        return ms, gpu.sm_mhz
+        return sustained_calls(torch, clock, lambda _: fn(), [None], harness.HOT_S)
     if STATE == "cool":
         harness.settle(clock, harness.SETTLE_S)
     times, gpu = sampled_calls(torch, clock, lambda _: fn(), [None], 1, reps)
