@@ -155,9 +155,10 @@ def _rows():
 def test_rows():
     rows = _rows()
     assert set(rows[0]) == set(harness.FIELDS)
-    assert {"sm_mhz", "power_w"} <= set(harness.FIELDS) and rows[0]["sm_mhz"] is None
-    r = harness.make_row(REF, "fwd", META, ms=1.0, sm_mhz=1755.0, power_w=699.5)
-    assert (r["sm_mhz"], r["power_w"]) == (1755.0, 699.5)
+    assert {"sm_mhz", "power_w", "capped"} <= set(harness.FIELDS) and rows[0]["sm_mhz"] is None
+    assert rows[0]["capped"] is None
+    r = harness.make_row(REF, "fwd", META, ms=1.0, sm_mhz=1755.0, power_w=699.5, capped=0.4)
+    assert (r["sm_mhz"], r["power_w"], r["capped"]) == (1755.0, 699.5, 0.4)
     assert rows[2]["det_over_atomic"] == pytest.approx(20 / 15)
     assert rows[1]["det_over_atomic"] is None and rows[3]["det_over_atomic"] is None
     assert rows[2]["x_floor"] == pytest.approx(20.0 / (2_954_937_499_648 / 790e9))
@@ -175,37 +176,104 @@ def test_gpu_sampler_without_nvml_gives_none(monkeypatch):
     assert harness.nvml_reader() is None and harness.nvml_reader(pci_bus_id="0:1:0.0") is None
     with harness.GpuSampler(harness.nvml_reader()) as gpu:
         pass
-    assert gpu.fields() == {"sm_mhz": None, "power_w": None} and gpu.samples == []
+    assert gpu.fields() == {"sm_mhz": None, "power_w": None, "capped": None}
+    assert gpu.samples == []
     row = harness.make_row(REF, "fwd", META, ms=1.0, **gpu.fields())
-    assert row["sm_mhz"] is None and row["power_w"] is None
+    assert row["sm_mhz"] is None and row["power_w"] is None and row["capped"] is None
+
+
+class FakeNvml:
+    """The entry points the reader calls, as ctypes calls them (out-parameters by byref); no
+    clock-event reasons (a library without either symbol): subclasses add them."""
+
+    inits = 0
+
+    def nvmlInit_v2(self):
+        type(self).inits += 1
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = 100 + index.value
+        return 0 if index.value < 2 else 2  # NVML_ERROR_INVALID_ARGUMENT
+
+    def nvmlDeviceGetClockInfo(self, handle, clock_type, out):
+        out._obj.value = 1755 if clock_type == harness.NVML_CLOCK_SM else 0
+        return 0
+
+    def nvmlDeviceGetPowerUsage(self, handle, out):
+        out._obj.value = 699_500 if handle.value == 101 else 0
+        return 0 if handle.value == 101 else 3  # NVML_ERROR_NOT_SUPPORTED
+
+
+def _fake_nvml(monkeypatch, reasons=None, symbol="nvmlDeviceGetCurrentClocksEventReasons"):
+    """:class:`FakeNvml` as the loaded NVML, not yet initialised; with ``reasons`` (a mask, or
+    None: the call fails), the clock-event reasons under ``symbol``.  Returns the class."""
+    calls = []
+
+    def get_reasons(self, handle, out):
+        calls.append(handle.value)
+        if reasons is None:
+            return 3  # NVML_ERROR_NOT_SUPPORTED
+        out._obj.value = reasons
+        return 0
+
+    lib = FakeNvml if symbol is None else type("FakeNvmlReasons", (FakeNvml,),
+                                               {symbol: get_reasons, "calls": calls})
+    lib.inits = 0
+    monkeypatch.setattr(harness, "_nvml_lib", None)
+    monkeypatch.setattr(harness, "_load_nvml", lib)
+    return lib
 
 
 def test_nvml_is_initialised_once_and_read_through_ctypes(monkeypatch):
-    class FakeNvml:  # the four entry points, as ctypes calls them (out-parameters by byref)
-        inits = 0
-
-        def nvmlInit_v2(self):
-            FakeNvml.inits += 1
-            return 0
-
-        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
-            handle._obj.value = 100 + index.value
-            return 0 if index.value < 2 else 2  # NVML_ERROR_INVALID_ARGUMENT
-
-        def nvmlDeviceGetClockInfo(self, handle, clock_type, out):
-            out._obj.value = 1755 if clock_type == harness.NVML_CLOCK_SM else 0
-            return 0
-
-        def nvmlDeviceGetPowerUsage(self, handle, out):
-            out._obj.value = 699_500 if handle.value == 101 else 0
-            return 0 if handle.value == 101 else 3  # NVML_ERROR_NOT_SUPPORTED
-
-    monkeypatch.setattr(harness, "_nvml_lib", None)
-    monkeypatch.setattr(harness, "_load_nvml", FakeNvml)
-    assert harness.nvml_reader(index=1)() == (1755, 699.5)
-    assert harness.nvml_reader(index=0)() == (1755, None)  # power unsupported: clock still read
+    lib = _fake_nvml(monkeypatch, reasons=0x4)
+    assert harness.nvml_reader(index=1)() == (1755, 699.5, True)
+    # power unsupported: clock and reasons still read
+    assert harness.nvml_reader(index=0)() == (1755, None, True)
     assert harness.nvml_reader(index=7) is None
-    assert FakeNvml.inits == 1
+    assert lib.inits == 1 and lib.calls == [101, 100]  # one reasons call per read, its GPU's
+
+
+@pytest.mark.parametrize("reasons, capped", [
+    (0x0, False), (0x1, False),  # none; the GPU idle only
+    (0x2 | 0x10 | 0x100, False),  # application clocks, sync boost, display clock: not a cap
+    (0x4, True), (0x1 | 0x4, True),  # the software power cap, also beside idle
+    (0x8, True), (0x20, True), (0x40, True), (0x80, True),  # each other power/thermal bit
+    (None, None),  # the call fails
+])
+def test_nvml_reader_flags_power_and_thermal_reasons(monkeypatch, reasons, capped):
+    _fake_nvml(monkeypatch, reasons=reasons)
+    assert harness.nvml_reader(index=1)() == (1755, 699.5, capped)
+
+
+def test_nvml_reader_takes_the_older_throttle_reasons_name(monkeypatch):
+    lib = _fake_nvml(monkeypatch, reasons=0x4, symbol="nvmlDeviceGetCurrentClocksThrottleReasons")
+    assert not hasattr(lib(), "nvmlDeviceGetCurrentClocksEventReasons")
+    read = harness.nvml_reader(index=1)
+    assert read() == (1755, 699.5, True) and read() == (1755, 699.5, True)
+    assert lib.calls == [101, 101]
+
+
+def test_nvml_reader_without_either_reasons_symbol_reads_the_rest(monkeypatch):
+    _fake_nvml(monkeypatch, symbol=None)
+    assert harness.nvml_reader(index=1)() == (1755, 699.5, None)
+
+
+def test_nvml_reader_looks_the_reasons_symbol_up_once(monkeypatch):
+    lookups = []
+
+    class CountingLookups(FakeNvml):
+        def __getattr__(self, name):  # only names the class lacks: the two reasons symbols
+            lookups.append(name)
+            raise AttributeError(name)
+
+    CountingLookups.inits = 0
+    monkeypatch.setattr(harness, "_nvml_lib", None)
+    monkeypatch.setattr(harness, "_load_nvml", CountingLookups)
+    read = harness.nvml_reader(index=1)
+    n = len(lookups)
+    assert n == 2 and [read() for _ in range(3)] == [(1755, 699.5, None)] * 3
+    assert len(lookups) == n  # none while sampling
 
 
 def test_gpu_sampler_takes_medians_of_the_samples_on_its_thread():
@@ -226,7 +294,24 @@ def test_gpu_sampler_takes_medians_of_the_samples_on_its_thread():
     assert len(threads) == 6 and threading.get_ident() not in threads[:5]
     assert len(set(threads[:5])) == 1 and threads[5] == threading.get_ident()
     assert gpu.sm_mhz == 1755.0 and gpu.power_w == 690.0  # None left out of the median
-    assert gpu.fields() == {"sm_mhz": 1755.0, "power_w": 690.0}
+    # pairs: no capped value in any sample
+    assert gpu.fields() == {"sm_mhz": 1755.0, "power_w": 690.0, "capped": None}
+
+
+def test_gpu_sampler_capped_is_the_fraction_of_known_samples():
+    readings = [(1980, 300.0, False), (1800, 690.0, True), (1790, 695.0, None),
+                (1780, 700.0, True), (1770, None, False), (1760, 700.0, True), (1750, 700.0)]
+    with harness.GpuSampler(iter(readings).__next__, period_s=0.001) as gpu:
+        deadline = time.monotonic() + 10
+        while len(gpu.samples) < len(readings) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert gpu.samples == readings
+    # three True of five known: None and the pair (1750, 700.0) left out, not counted False
+    assert gpu.capped == pytest.approx(3 / 5)
+    assert gpu.fields() == {"sm_mhz": 1780.0, "power_w": 697.5, "capped": gpu.capped}
+    with harness.GpuSampler(iter([(1980, 100.0, None)] * 2).__next__, period_s=60.0) as gpu:
+        pass
+    assert gpu.samples == [(1980, 100.0, None)] * 2 and gpu.capped is None
 
 
 def test_gpu_sampler_samples_a_short_section_at_least_twice():
@@ -316,6 +401,19 @@ def test_settle_and_hot_defaults_by_device():
     for bad in (["--hot-s", "-1"], ["--settle-s", "inf"], ["--hot-s", "nan"]):
         with pytest.raises(SystemExit):  # inf never ends, nan would skip the pause silently
             bench.parse_args(bad)
+
+
+def test_table_has_the_capped_fraction_where_rows_carry_it():
+    rows = _rows()
+    rows[0].update(sm_mhz=1755.4, power_w=699.0)
+    assert "capped" not in harness.table(harness.result_cols(rows), rows)
+    rows[1].update(capped=0.4)
+    lines = harness.table(harness.result_cols(rows), rows).splitlines()
+    assert "| p20-p80 | SM MHz | capped | TFLOP/s |" in lines[0]
+    assert "| 1755 | - | " in lines[2] and "| - | 40% | " in lines[3]
+    rows[1].update(capped=0.0)  # never capped is still a recorded value
+    assert harness.CAPPED_COL in harness.result_cols(rows)
+    assert plot.markdown(rows, META).splitlines()[2] == lines[0]
 
 
 def test_table_has_the_sm_clock_where_rows_carry_it():
@@ -479,11 +577,13 @@ def test_cpu_standin_run_writes_every_output(tmp_path, capsys):
                                                           for r in rows)
     # on CPU the sampler has no GPU to read: the fields are there, empty; no sustained time
     # by default on CPU
-    assert all(r["sm_mhz"] is None and r["power_w"] is None for r in rows)
+    assert all(r["sm_mhz"] is None and r["power_w"] is None and r["capped"] is None
+               for r in rows)
     assert all(r["ms_hot"] is None and r["sm_mhz_hot"] is None for r in rows)
     header = (tmp_path / "results.csv").read_text().splitlines()[0].split(",")
     assert header == list(harness.FIELDS)
     assert header.index("sm_mhz") == header.index("ms_max") + 1
+    assert header.index("capped") == header.index("power_w") + 1
     meta = payload["meta"]
     assert meta["peak_tflops"] == rows[0]["tflops"] and meta["copy_tbs"] == rows[1]["tbs"]
     assert rows[1]["tbs"] == pytest.approx(2 * 2**20 / rows[1]["ms"] / 1e9)

@@ -236,8 +236,10 @@ def nvml_reader(torch):
 
 def sampled_calls(torch, clock, fn, inputs, warmup, reps) -> tuple[list, dict]:
     """:func:`harness.time_calls` and the GPU's median SM clock and board power while they ran
-    (``{"sm_mhz": MHz, "power_w": W}``, None where NVML cannot be read): the clock falls from
-    1980 to ~1750 MHz at the H200's power limit under sustained load, and the times with it."""
+    and the fraction of NVML's samples with a power/thermal clock-event reason
+    (``{"sm_mhz": MHz, "power_w": W, "capped": 0..1}``, None where NVML cannot be read): the
+    clock falls from 1980 to ~1750 MHz at the H200's power limit under sustained load, and the
+    times with it; the software power cap slows the forward even where the clock reads high."""
     with _sampler(torch, clock) as gpu:
         times = harness.time_calls(clock, fn, inputs, warmup, reps)
     return times, gpu.fields()
@@ -257,8 +259,9 @@ def _sampler(torch, clock):
 def time_variant(torch, clock, fn, inputs, warmup, reps, check, settle_s=0.0,
                  hot_s=0.0) -> dict:
     """First call (compile + run, wall s), then, after ``settle_s`` of idle
-    (:func:`harness.settle`), the timed calls with the GPU's median SM clock (``sm_mhz``, MHz)
-    and board power (``power_w``, W) while they ran; peak memory on the GPU; with ``check``,
+    (:func:`harness.settle`), the timed calls with the GPU's median SM clock (``sm_mhz``, MHz),
+    board power (``power_w``, W) and the fraction of samples power- or heat-capped (``capped``,
+    0..1, :data:`harness.CAP_REASONS`) while they ran; peak memory on the GPU; with ``check``,
     whether the outputs are finite and two calls on the same inputs bitwise equal; with
     ``hot_s``, last, the sustained time (``ms_hot``, :func:`sustained_calls`) and its clock
     (``sm_mhz_hot``)."""
@@ -529,6 +532,8 @@ def run(a: argparse.Namespace) -> int:
             + (f", first call {row['first_call_s']:.1f} s" if row["first_call_s"] > 2 else "")
             + (f", SM {row['sm_mhz']:.0f} MHz" if row["sm_mhz"] is not None else "")
             + (f", {row['power_w']:.0f} W" if row["power_w"] is not None else "")
+            + (f", power-capped {row['capped']:.0%} of samples" if row["capped"] is not None
+               else "")
             + (f"; sustained {row['ms_hot']:.3f} ms{harness.clock_note(row['sm_mhz_hot'])}"
                if row["ms_hot"] is not None else ""))
         return row

@@ -125,6 +125,15 @@ def summarize(samples_ms: Sequence[float]) -> dict:
 
 #: nvmlClockType_t's NVML_CLOCK_SM.
 NVML_CLOCK_SM = 1
+#: The bits of NVML's clock-event reasons (nvmlClocksEventReasons, nvml.h) that mean power or
+#: heat holds the clock down; not idle (0x1), application clocks (0x2), sync boost (0x10) or
+#: display clock (0x100), which say nothing of a slow state.  Why: the forward's slow mode is
+#: the software power cap (run 95), which comes on while the SM clock may still read high.
+CAP_REASONS = (0x4     # nvmlClocksEventReasonSwPowerCap: power above the software power limit
+               | 0x8   # nvmlClocksEventReasonHwSlowdown: hardware slowdown (power or heat)
+               | 0x20  # nvmlClocksEventReasonSwThermalSlowdown: software thermal slowdown
+               | 0x40  # nvmlClocksEventReasonHwThermalSlowdown: hardware thermal slowdown
+               | 0x80)  # nvmlClocksEventReasonHwPowerBrakeSlowdown: hardware power brake
 _nvml_lib = None  # NVML after nvmlInit_v2; False where that failed (tried once per process)
 
 
@@ -145,9 +154,10 @@ def _nvml():
 
 
 def nvml_reader(index: int = 0, pci_bus_id: str | None = None) -> Callable | None:
-    """A function returning ``(SM clock MHz, board power W)`` of one GPU, each None where NVML
-    fails; the GPU by ``pci_bus_id`` (``"0000:1b:00.0"``) if given, else by NVML ``index``.
-    None where NVML or the GPU cannot be reached."""
+    """A function returning ``(SM clock MHz, board power W, capped)`` of one GPU, each None
+    where NVML fails; ``capped``: whether a :data:`CAP_REASONS` bit of the current clock-event
+    reasons is set (bool).  The GPU by ``pci_bus_id`` (``"0000:1b:00.0"``) if given, else by
+    NVML ``index``.  None where NVML or the GPU cannot be reached."""
     lib = _nvml()
     if lib is None:
         return None
@@ -160,26 +170,39 @@ def nvml_reader(index: int = 0, pci_bus_id: str | None = None) -> Callable | Non
         return None
     if rc != 0:
         return None
-    mhz, mw = ctypes.c_uint(), ctypes.c_uint()
+    mhz, mw, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+    reasons_fn = None  # looked up here, not per sample: the sampler runs every 5 ms
+    for name in ("nvmlDeviceGetCurrentClocksEventReasons",
+                 "nvmlDeviceGetCurrentClocksThrottleReasons"):  # its older name, older drivers
+        try:
+            reasons_fn = getattr(lib, name)
+            break
+        except AttributeError:
+            pass
 
     def read():
         ok_mhz = lib.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM, ctypes.byref(mhz)) == 0
         ok_mw = lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)) == 0
-        return (mhz.value if ok_mhz else None), (mw.value / 1e3 if ok_mw else None)
+        ok_why = reasons_fn is not None and reasons_fn(handle, ctypes.byref(reasons)) == 0
+        return ((mhz.value if ok_mhz else None), (mw.value / 1e3 if ok_mw else None),
+                (bool(reasons.value & CAP_REASONS) if ok_why else None))
 
     return read
 
 
 class GpuSampler:
-    """Context manager: samples ``read()`` (a pair ``(SM clock MHz, board power W)``, e.g. of
-    :func:`nvml_reader`) every ``period_s`` on a daemon thread, once more on exit, and then
-    holds ``sm_mhz`` and ``power_w``, the medians over the samples (None where there is none,
-    e.g. ``read`` None).  Why: at the power limit the clock, and with it the time, drops."""
+    """Context manager: samples ``read()`` (``(SM clock MHz, board power W, capped)``, e.g. of
+    :func:`nvml_reader`; a pair without ``capped`` will do) every ``period_s`` on a daemon
+    thread, once more on exit, and then holds ``sm_mhz`` and ``power_w``, the medians over the
+    samples, and ``capped``, the fraction (0..1) of the samples with a known ``capped`` that
+    have it True (each None where there is none, e.g. ``read`` None).  Why: at the power limit
+    the clock, and with it the time, drops; and under the software power cap the time drops
+    while the clock NVML reports may still read high, so the fraction names the state."""
 
     def __init__(self, read: Callable | None, period_s: float = 0.005):
         self.read, self.period_s = read, period_s
         self.samples: list[tuple] = []
-        self.sm_mhz = self.power_w = None
+        self.sm_mhz = self.power_w = self.capped = None
         self._stop = threading.Event()
         self._thread = None
 
@@ -208,11 +231,15 @@ class GpuSampler:
         for k, field in enumerate(("sm_mhz", "power_w")):
             vals = [s[k] for s in self.samples if s is not None and s[k] is not None]
             setattr(self, field, float(np.median(vals)) if vals else None)
+        flags = [bool(s[2]) for s in self.samples
+                 if s is not None and len(s) > 2 and s[2] is not None]
+        self.capped = sum(flags) / len(flags) if flags else None
         return False
 
     def fields(self) -> dict:
-        """``{"sm_mhz": MHz, "power_w": W}`` (medians; None where unknown) for a row."""
-        return {"sm_mhz": self.sm_mhz, "power_w": self.power_w}
+        """``{"sm_mhz": MHz, "power_w": W, "capped": fraction 0..1}`` (None where unknown)
+        for a row."""
+        return {"sm_mhz": self.sm_mhz, "power_w": self.power_w, "capped": self.capped}
 
 
 def clock_note(mhz: float | None) -> str:
@@ -227,7 +254,7 @@ def clock_note(mhz: float | None) -> str:
 FIELDS = ("gpu", "torch", "tilelang", "timestamp", "git",
           "shape", "B", "S", "S_kv", "H", "topk", "Dk", "Dv",
           "variant", "status", "reps", "ms", "ms_p20", "ms_p80", "ms_min", "ms_max",
-          "sm_mhz", "power_w", "ms_hot", "sm_mhz_hot",
+          "sm_mhz", "power_w", "capped", "ms_hot", "sm_mhz_hot",
           "gflop", "tflops", "frac_peak", "tbs", "floor_ms", "x_floor", "peak_mem_mb",
           "extra_mem_mb", "det_over_atomic", "repeatable", "first_call_s", "a2a_mb", "note")
 META_FIELDS = FIELDS[:5]
@@ -317,16 +344,22 @@ RESULT_COLS = (
 )
 #: The median SM clock while a variant ran, after ``p20-p80``: the time it explains.
 SM_MHZ_COL = ("SM MHz", "sm_mhz", ".0f")
-#: The sustained time (:func:`sustained_ms`) and its clock, after the clock.
+#: The fraction of its NVML samples with a power/thermal clock-event reason, after the clock:
+#: the slow state a high clock reading can hide (:data:`CAP_REASONS`).
+CAPPED_COL = ("capped", "capped", ".0%")
+#: The sustained time (:func:`sustained_ms`) and its clock, after the clock (and capped).
 HOT_COLS = (("ms hot", "ms_hot", ".3f"), ("hot MHz", "sm_mhz_hot", ".0f"))
 
 
 def result_cols(rows: Sequence[dict]) -> tuple:
     """:data:`RESULT_COLS` with :data:`SM_MHZ_COL` after ``p20-p80`` where a row has a clock,
-    then :data:`HOT_COLS` where a row has a sustained time: results of runs that did not record
-    them (older files under docs/perf/) keep their table."""
-    extra = (((SM_MHZ_COL,) if any(r.get("sm_mhz") is not None for r in rows) else ())
-             + (HOT_COLS if any(r.get("ms_hot") is not None for r in rows) else ()))
+    then :data:`CAPPED_COL` where a row has a capped fraction, then :data:`HOT_COLS` where a
+    row has a sustained time: results of runs that did not record them (older files under
+    docs/perf/) keep their table."""
+    have = {k for k in ("sm_mhz", "capped", "ms_hot") if any(r.get(k) is not None for r in rows)}
+    extra = (((SM_MHZ_COL,) if "sm_mhz" in have else ())
+             + ((CAPPED_COL,) if "capped" in have else ())
+             + (HOT_COLS if "ms_hot" in have else ()))
     i = [c[0] for c in RESULT_COLS].index("p20-p80") + 1
     return RESULT_COLS[:i] + extra + RESULT_COLS[i:]
 
