@@ -14,8 +14,8 @@
 #      the second: they do not touch the GPU; run 50's single pytest process took 7.6 minutes,
 #      run 54's GPU tests 88 s beside 322 s of CPU tests in one process)
 #   5. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
-#      compute-sanitizer exists
-#   6. stage timing at the ref and fleet shapes (tools/bench/bench_sparse_mqa.py --stages: each
+#      compute-sanitizer exists, once the GPU tests are done (the CPU tests still running)
+#   6. stage timing at the ref and fleet shapes, then the wait for the CPU tests (tools/bench/bench_sparse_mqa.py --stages: each
 #      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
 #      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
 # Logs: $OUT/suite.log, $OUT/pytest.log (GPU tests), $OUT/pytest-cpu.log and pytest-cpu2.log
@@ -72,15 +72,11 @@ CPU_TESTS2=$!
 python3 -m pytest -q -s -p no:cacheprovider --durations=25 tests/single_card_tests 2>&1 \
   | tee "$LOG/pytest.log" | grep -E "^\[|passed|failed|error" | tee -a "$SUITE"
 RC=${PIPESTATUS[0]}
-wait "$CPU_TESTS"
-RC_CPU=$?
-wait "$CPU_TESTS2"
-RC_CPU2=$?
-echo "CPU tests (host logic, kernel lowering), two processes:" | tee -a "$SUITE"
-grep -hE "passed|failed|error" "$LOG/pytest-cpu.log" "$LOG/pytest-cpu2.log" | tail -10 \
-  | tee -a "$SUITE"
-[[ $RC != 0 ]] || RC=$RC_CPU
-[[ $RC != 0 ]] || RC=$RC_CPU2
+# memcheck and the stage timing (the GPU's steps) run while the CPU tests finish: run 97's CPU
+# tests took 312 s against 102 s of GPU tests, and the stage timing, last after them, did not
+# fit in a 540 s call.  The CPU tests only load the host: kernel times are unaffected, the
+# stage timing's host share ("rest of the call") may read a little high
+RC_MC=0
 
 if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
   step memcheck
@@ -92,7 +88,7 @@ if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then
     grep -E "ERROR SUMMARY|memcheck case|Invalid|out of bounds" "$LOG/memcheck.tmp" | head -20 \
       | tee -a "$SUITE"
     echo "memcheck H=$MH exit $MC" | tee -a "$SUITE"
-    [[ $MC == 0 || $RC != 0 ]] || RC=$MC  # a memcheck failure fails the suite too
+    [[ $MC == 0 || $RC_MC != 0 ]] || RC_MC=$MC  # a memcheck failure fails the suite too
     rm -f "$LOG/memcheck.tmp"
   done
 fi
@@ -101,6 +97,17 @@ step stage timing
 python3 tools/bench/bench_sparse_mqa.py --stages --shapes ref,fleet --no-ref --no-check-indices \
   --no-sink --reps 10 --warmup 3 --matmul-n 0 --copy-mb 0 --no-plot --no-progress \
   --out "$LOG/stages" 2>&1 | grep -v "TileLang:" | tee -a "$SUITE"
+
+step "CPU tests (host logic, kernel lowering), two processes"
+wait "$CPU_TESTS"
+RC_CPU=$?
+wait "$CPU_TESTS2"
+RC_CPU2=$?
+grep -hE "passed|failed|error" "$LOG/pytest-cpu.log" "$LOG/pytest-cpu2.log" | tail -10 \
+  | tee -a "$SUITE"
+[[ $RC != 0 ]] || RC=$RC_CPU
+[[ $RC != 0 ]] || RC=$RC_CPU2
+[[ $RC != 0 ]] || RC=$RC_MC
 
 step done
 echo "pytest exit status $RC" | tee -a "$SUITE"
