@@ -7,6 +7,7 @@ kernels, or the interface with ``helpers.CpuStandIn`` as its kernels) need PyTor
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import threading
@@ -211,6 +212,8 @@ def _fake_nvml(monkeypatch, reasons=None, symbol="nvmlDeviceGetCurrentClocksEven
     calls = []
 
     def get_reasons(self, handle, out):
+        # nvml.h: unsigned long long *: NVML writes 8 bytes, so a c_uint would overflow
+        assert type(out._obj) is ctypes.c_ulonglong
         calls.append(handle.value)
         if reasons is None:
             return 3  # NVML_ERROR_NOT_SUPPORTED

@@ -15,9 +15,10 @@
 #      run 54's GPU tests 88 s beside 322 s of CPU tests in one process)
 #   5. compute-sanitizer memcheck of two small cases (H=8 and H=100, -1 rows), when
 #      compute-sanitizer exists, once the GPU tests are done (the CPU tests still running)
-#   6. stage timing at the ref and fleet shapes, then the wait for the CPU tests (tools/bench/bench_sparse_mqa.py --stages: each
+#   6. stage timing at the ref and fleet shapes (tools/bench/bench_sparse_mqa.py --stages: each
 #      wrapper's kernels and the rest of the call, the exact dKV's re-runs and head-room;
 #      kernels only, no sink, as tools/kernel_timing.py was); results.json in stages/ of the logs
+#   7. the wait for the CPU tests of step 4
 # Logs: $OUT/suite.log, $OUT/pytest.log (GPU tests), $OUT/pytest-cpu.log and pytest-cpu2.log
 # (or ./gpu-suite-logs/ without $OUT); the benchmark writes $OUT/bench/.  Usage:
 #   bash tools/run_gpu_suite.sh [--quick | --no-bench]
@@ -74,8 +75,9 @@ python3 -m pytest -q -s -p no:cacheprovider --durations=25 tests/single_card_tes
 RC=${PIPESTATUS[0]}
 # memcheck and the stage timing (the GPU's steps) run while the CPU tests finish: run 97's CPU
 # tests took 312 s against 102 s of GPU tests, and the stage timing, last after them, did not
-# fit in a 540 s call.  The CPU tests only load the host: kernel times are unaffected, the
-# stage timing's host share ("rest of the call") may read a little high
+# fit in a 540 s call.  The CPU tests only load the host (compiling kernels on its cores): the
+# stage timing's host share ("rest of the call"), and a launch the GPU waits for, may read a
+# little high
 RC_MC=0
 
 if [[ $QUICK == 0 ]] && command -v compute-sanitizer >/dev/null; then

@@ -127,8 +127,9 @@ def summarize(samples_ms: Sequence[float]) -> dict:
 NVML_CLOCK_SM = 1
 #: The bits of NVML's clock-event reasons (nvmlClocksEventReasons, nvml.h) that mean power or
 #: heat holds the clock down; not idle (0x1), application clocks (0x2), sync boost (0x10) or
-#: display clock (0x100), which say nothing of a slow state.  Why: the forward's slow mode is
-#: the software power cap (run 95), which comes on while the SM clock may still read high.
+#: display clock (0x100), which say nothing of a slow state.  Why: the forward's sustained
+#: slow state is the software power cap (run 95); a row's median SM clock hides it when the
+#: cap covers only part of the row.
 CAP_REASONS = (0x4     # nvmlClocksEventReasonSwPowerCap: power above the software power limit
                | 0x8   # nvmlClocksEventReasonHwSlowdown: hardware slowdown (power or heat)
                | 0x20  # nvmlClocksEventReasonSwThermalSlowdown: software thermal slowdown
