@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--quick", action="store_true", help="20 timed calls after 2 warm-up (reference: 2)")
     add("--reps", type=int, help="timed calls per variant (default 50)")
     add("--warmup", type=int, help="warm-up calls (default 5)")
-    add("--sets", type=int, default=3, help="input sets rotated call by call (>= 3)")
+    add("--sets", type=int, default=3, help="input sets rotated call by call (>= 3; default 3)")
     add("--ref-reps", type=int, help="timed calls of the reference (default 3)")
     add("--ref-shapes", help="shapes the slow fp32 reference is timed on (default: tiny,tp8,"
         "ref; --quick: tiny,tp8)")
@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--matmul-n", type=int, default=8192, help="dense bf16 matmul size, the peak (0: skip)")
     add("--copy-mb", type=int, default=1024, help="device copy MiB, the bandwidth (0: skip)")
     add("--no-sink", action="store_true", help="no attention sink")
-    add("--sm-scale", type=float, default=DEFAULT_SM_SCALE)
+    add("--sm-scale", type=float, default=DEFAULT_SM_SCALE,
+        help=f"softmax scale (default Dk^-0.5 = {DEFAULT_SM_SCALE:.6g}; finite, > 0)")
     add("--no-check-indices", action="store_true",
         help="call our wrappers with check_indices=False (as the op's backward calls them)")
     add("--settle-s", type=float, help="idle seconds before each variant's timed calls (ours "
@@ -77,13 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"state (default {harness.SETTLE_S:g}; --cpu-standin: 0)")
     add("--hot-s", type=float, help="also time each of our variants sustained: the mean per "
         f"call over this many s after {harness.HOT_WARM_S:g} s of back-to-back calls, as in a "
-        f"training loop (column ms_hot; default {harness.HOT_S:g}; --cpu-standin: 0; 0: not "
-        "timed)")
+        f"training loop (column `ms hot`, field ms_hot; default {harness.HOT_S:g}; "
+        "--cpu-standin: 0; 0: not timed)")
     add("--seed", type=int, default=0)
-    add("--budget-s", type=float, default=540.0, help="start no new shape after this many s")
+    add("--budget-s", type=float, default=540.0,
+        help="start no new shape after this many s (>= 0)")
     add("--stages", action="store_true",
         help="also time each of our wrappers' kernel launches and the rest of the call, and "
-             "print the exact dKV's re-run keys and head-room (replaces tools/kernel_timing.py)")
+             "print the exact dKV's re-run keys and head-room")
     add("--partition", action="store_true",
         help="forward + deterministic backward of one rank (rows core_heads_tpN, core_seq_tpN) "
              "for TP 1, 2, 4, 8 with the heads or the query rows split, and the sequence "
@@ -94,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--no-progress", action="store_true", help="no progress bar")
     add("--no-plot", action="store_true", help="no PNG")
     a = p.parse_args(argv)
+    for flag, value in (("--shapes", a.shapes), ("--variants", a.variants),
+                        ("--ref-shapes", a.ref_shapes)):
+        if value is not None and not value.strip(" ,"):
+            p.error(f"{flag}: empty; leave the flag out for its default")
     if a.shapes is None and (a.cpu_standin or a.partition):
         a.shapes = "tiny" if a.cpu_standin else "ref"  # GPU shapes take minutes each on CPU
     a.parts = None
@@ -119,19 +125,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.settle_s = 0.0 if a.cpu_standin else harness.SETTLE_S
     if a.hot_s is None:
         a.hot_s = 0.0 if a.cpu_standin else harness.HOT_S
-    for flag, value in (("--settle-s", a.settle_s), ("--hot-s", a.hot_s)):
+    for flag, value in (("--settle-s", a.settle_s), ("--hot-s", a.hot_s),
+                        ("--budget-s", a.budget_s)):
         if not (math.isfinite(value) and value >= 0):
             p.error(f"{flag}: expected a finite number of seconds >= 0, got {value}")
+    for flag, value in (("--matmul-n", a.matmul_n), ("--copy-mb", a.copy_mb)):
+        if value < 0:
+            p.error(f"{flag}: expected >= 0 (0: skip), got {value}")
+    if not (math.isfinite(a.sm_scale) and a.sm_scale > 0):
+        p.error(f"--sm-scale: expected a finite number > 0, got {a.sm_scale}")
     a.reps = a.reps if a.reps is not None else (20 if a.quick else 50)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
     a.ref_reps = a.ref_reps if a.ref_reps is not None else (2 if a.quick else 3)
     if a.sets < 3:
         p.error("--sets must be >= 3 (fewer input sets let the L2 flatter the numbers)")
-    if a.reps < 1 or a.warmup < 0 or a.ref_reps < 1:
-        p.error("--reps and --ref-reps must be >= 1, --warmup >= 0")
+    for flag, value, least in (("--reps", a.reps, 1), ("--ref-reps", a.ref_reps, 1),
+                               ("--warmup", a.warmup, 0)):
+        if value < least:
+            p.error(f"{flag}: expected >= {least}, got {value}")
     if a.stages and a.cpu_standin:
         p.error("--stages times the kernels' launches; --cpu-standin has no kernels")
     a.out = a.out or os.environ.get("OUT") or os.path.join(_HERE, "results")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out: {a.out} is a file, not a folder")
+    if not a.variant_list:
+        p.error("--variants: nothing left to time (--no-ref drops the ref_* variants)")
     return a
 
 
@@ -532,7 +550,7 @@ def run(a: argparse.Namespace) -> int:
             + (f", first call {row['first_call_s']:.1f} s" if row["first_call_s"] > 2 else "")
             + (f", SM {row['sm_mhz']:.0f} MHz" if row["sm_mhz"] is not None else "")
             + (f", {row['power_w']:.0f} W" if row["power_w"] is not None else "")
-            + (f", power-capped {row['capped']:.0%} of samples" if row["capped"] is not None
+            + (f", power/heat-capped {row['capped']:.0%} of samples" if row["capped"] is not None
                else "")
             + (f"; sustained {row['ms_hot']:.3f} ms{harness.clock_note(row['sm_mhz_hot'])}"
                if row["ms_hot"] is not None else ""))
