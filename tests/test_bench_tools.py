@@ -458,6 +458,31 @@ def test_results_json_round_trip_through_plot_markdown(tmp_path, capsys):
         plot.update_doc(str(bad), "x")
 
 
+def test_plot_usage_errors(tmp_path, capsys):
+    """plot.py: a missing, non-JSON or foreign results file, a document without the markers and
+    --update without --markdown are usage errors naming the problem, never a traceback."""
+    results = tmp_path / "results.json"
+    harness.write_json({"meta": META, "rows": _rows()}, str(results))
+    not_json = tmp_path / "notjson.json"
+    not_json.write_text("{rows", encoding="utf-8")
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"shapes": []}', encoding="utf-8")
+    no_marks = tmp_path / "doc.md"
+    no_marks.write_text("no markers", encoding="utf-8")
+    for args, message in (
+            (["--markdown", str(tmp_path / "missing.json")], "cannot read it"),
+            (["--markdown", str(not_json)], "not JSON"),
+            (["--markdown", str(foreign)], "expected a benchmark results.json"),
+            ([str(not_json)], "not JSON"),
+            (["--markdown", str(results), "--update", str(no_marks)], "expected the markers"),
+            ([str(results), "--update", str(no_marks)], "--update DOC needs --markdown")):
+        with pytest.raises(SystemExit) as e:
+            plot.main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err and message in err, (args, err)
+    assert no_marks.read_text(encoding="utf-8") == "no markers"
+
+
 def test_recorded_results_regenerate_the_doc_block():
     """docs/perf/h200-latest.json (a results.json of the old tool) still reads, and gives the
     block docs/performance.md holds."""

@@ -23,8 +23,17 @@ END_MARK = "<!-- RESULTS_END -->"
 
 
 def load_results(path: str) -> tuple[list[dict], dict]:
-    with open(path, encoding="utf-8") as f:
-        payload = json.load(f)
+    """``(rows, meta)`` of a benchmark's ``results.json``.  Raises ValueError (naming the file)
+    when it cannot be read, is not JSON or has no ``rows`` list."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from e
+    if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
+        raise ValueError(f"{path}: expected a benchmark results.json (an object with 'rows')")
     return payload["rows"], payload.get("meta", {})
 
 
@@ -96,18 +105,27 @@ def main(argv=None) -> int:
     p.add_argument("--png", help="write the plot here (default: beside RESULTS)")
     p.add_argument("--update", metavar="DOC", help="with --markdown: write it between DOC's markers")
     a = p.parse_args(argv)
-    if a.markdown:
-        body = markdown(*load_results(a.markdown))
-        if a.update:
-            update_doc(a.update, body)
-            print(f"updated {a.update}")
-        else:
-            print(body)
-        return 0
-    if not a.results:
-        p.error("give RESULTS or --markdown RESULTS")
+    if a.update and not a.markdown:
+        p.error("--update DOC needs --markdown RESULTS")
+    try:
+        if a.markdown:
+            body = markdown(*load_results(a.markdown))
+            if a.update:
+                update_doc(a.update, body)
+                print(f"updated {a.update}")
+            else:
+                print(body)
+            return 0
+        if not a.results:
+            p.error("give RESULTS or --markdown RESULTS")
+        rows_meta = load_results(a.results)
+    except (ValueError, OSError) as e:  # a usage error, not a traceback
+        p.error(str(e))
     png = a.png or os.path.join(os.path.dirname(os.path.abspath(a.results)), "time_per_shape.png")
-    print(plot_results(*load_results(a.results), png))
+    try:
+        print(plot_results(*rows_meta, png))
+    except ImportError:
+        p.error("the PNG needs matplotlib (pip install matplotlib); --markdown needs none")
     return 0
 
 
