@@ -257,7 +257,8 @@ def sampled_calls(torch, clock, fn, inputs, warmup, reps) -> tuple[list, dict]:
     and the fraction of NVML's samples with a power/thermal clock-event reason
     (``{"sm_mhz": MHz, "power_w": W, "capped": 0..1}``, None where NVML cannot be read): the
     clock falls from 1980 to ~1750 MHz at the H200's power limit under sustained load, and the
-    times with it; the software power cap slows the forward even where the clock reads high."""
+    times with it; ``capped`` says whether the power cap was on (run 95: the forward's
+    sustained slow state)."""
     with _sampler(torch, clock) as gpu:
         times = harness.time_calls(clock, fn, inputs, warmup, reps)
     return times, gpu.fields()
