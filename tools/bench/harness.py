@@ -197,8 +197,8 @@ class GpuSampler:
     thread, once more on exit, and then holds ``sm_mhz`` and ``power_w``, the medians over the
     samples, and ``capped``, the fraction (0..1) of the samples with a known ``capped`` that
     have it True (each None where there is none, e.g. ``read`` None).  Why: at the power limit
-    the clock, and with it the time, drops; and under the software power cap the time drops
-    while the clock NVML reports may still read high, so the fraction names the state."""
+    the clock, and with it the time, drops; a median clock hides a cap that covers only part
+    of the samples, the fraction names it (run 95: the forward's sustained slow state)."""
 
     def __init__(self, read: Callable | None, period_s: float = 0.005):
         self.read, self.period_s = read, period_s
