@@ -62,6 +62,10 @@ SHAPES = dict(model.SHAPES, **{s.name: s for s in (
     model.Shape("ref31w", 1, 4092, 8192, 64, 2048),
     # causal training rows (S = S_kv): the first topk rows see fewer keys
     model.Shape("causal8k", 1, 8192, 8192, 64, 2048),
+    # ref with a quarter and a half of its key blocks per row (every row full): with ref, a
+    # CTA's fixed time and its time per key block
+    model.Shape("t512", 1, 4096, 8192, 64, 512),
+    model.Shape("t1024", 1, 4096, 8192, 64, 1024),
 )})
 
 
