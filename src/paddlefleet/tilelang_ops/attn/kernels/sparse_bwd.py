@@ -100,15 +100,6 @@ __device__ __forceinline__ void pf_red_add_v4_if(bool p, float* base, long long 
 }
 """
 
-#: ``defer_last``: a move the C++ compiler cannot see through (see ``copy_cols``)
-KEEP_SRC = r"""
-__device__ __forceinline__ float pf_keep(float x) {
-  float y;
-  asm volatile("mov.b32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-"""
-
 
 # exact mode: u above 2^24 already fails the bound; clamped at 2^40, n <= 2^23 of them sum
 # exactly in int64.  BoundExp (a max, order-free too) covers the clamped ones: u <= 2^BoundExp.
@@ -281,8 +272,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
          dkv_chunk: int | None = None, dkv_transposed: bool | None = None,
          warp_specialized: bool | None = None, wg0_chunks: int | None = None,
          overlap: bool | None = None, w1_right: bool | None = None, row_extent: bool = True,
-         row_lanes: int | None = None, pred_red: bool | None = None,
-         defer_last: bool | None = None, fused: bool = False, natural: bool = True):
+         row_lanes: int | None = None, pred_red: bool | None = None, fused: bool = False,
+         natural: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -355,8 +346,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
         return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
-                               row_extent, row_lanes, pred_red, fused, natural,
-                               int(defer_last or 0))
+                               row_extent, row_lanes, pred_red, fused, natural)
     assert not fused, "the fused preprocess is built into the two-warpgroup kernel only"
     threads = 256 if threads is None else threads
     num_stages = 1 if num_stages is None else num_stages
@@ -611,7 +601,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool | None = None,
                     w1_right: bool | None = None, row_extent: bool = True,
                     row_lanes: int | None = None, pred_red: bool | None = None,
-                    fused: bool = False, natural: bool = True, defer_last: int = 0):
+                    fused: bool = False, natural: bool = True):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -686,14 +676,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     # in the atomic mode, run 39's profile) neither waits for kv_free nor gathers them
     assert not (w1_right and wg0_chunks), "w1_right: warpgroup 0 adds no dKV chunk"
     assert row_lanes in (4, 8), "row_lanes: 4 or 8 lanes per key row of an atomic"
-    # defer_last (a trial): warpgroup 1 adds each block's last dKV chunk in the next block,
-    # under that block's dQ GEMM and first chunk (1) or under its dQ GEMM alone, kv_free
-    # arrived as early as before (2); its rows' -1 before block 0 make the predicated reds of
-    # that first deferred add no-ops
-    assert defer_last in (0, 1, 2)
-    assert not defer_last or (overlap and pred_red and row_lanes == 8 and not exact), \
-        "defer_last: the atomic mode's overlapped schedule with predicated reds"
-    prelude = ((RED_V4_SRC if pred_red else "") + (KEEP_SRC if defer_last else "")) or None
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -783,16 +765,9 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         return tuple(T.alloc_fragment([BK, width], acc_t) for _ in range(n))
 
     @T.macro
-    def copy_cols(acc, dst, first, step, keep=False):
-        # keep (defer_last): through an opaque move, so that dst stays registers of their own
-        # and not the accumulator's (ptxas then waits for the wgmmas in flight before reading
-        # them, its C7517)
+    def copy_cols(acc, dst, first, step):
         for j, g in T.Parallel(BK, dst.shape[1]):
-            if keep:
-                dst[j, g] = T.call_extern(acc_t, "pf_keep",
-                                          acc[j, step * (g // 4) + 2 * (g % 4) + first])
-            else:
-                dst[j, g] = acc[j, step * (g // 4) + 2 * (g % 4) + first]
+            dst[j, g] = acc[j, step * (g // 4) + 2 * (g % 4) + first]
 
     @T.macro
     def red4(dKV_acc, b_i, row, c, v):
@@ -807,34 +782,20 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                       v[0], v[1], v[2], v[3])
 
     @T.macro
-    def copy_pieces(acc, ev, keep=False):
-        # the wgmma accumulator's columns into the pieces add_pieces adds (ev: dkv_pieces())
-        if row_lanes == 4:
-            copy_cols(acc, ev[0], 0, 16, keep)
-            copy_cols(acc, ev[1], 1, 16, keep)
-            copy_cols(acc, ev[2], 8, 16, keep)
-            copy_cols(acc, ev[3], 9, 16, keep)
-        else:
-            copy_cols(acc, ev[0], 0, 32, keep)
-            copy_cols(acc, ev[1], 1, 32, keep)
-            copy_cols(acc, ev[2], 8, 32, keep)
-            copy_cols(acc, ev[3], 9, 32, keep)
-            copy_cols(acc, ev[4], 16, 32, keep)
-            copy_cols(acc, ev[5], 17, 32, keep)
-            copy_cols(acc, ev[6], 24, 32, keep)
-            copy_cols(acc, ev[7], 25, 32, keep)
-
-    @T.macro
-    def add_pieces(ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
-        # the pieces of copy_pieces into dKV_acc at chunk column col.
+    def scatter_chunk(acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
+        # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics.
         # Thread t holds, of rows r = slot_row(t) and r + 8, the columns 16 c + 2 (t % 4) + {0, 1,
         # 8, 9} (c = 0 .. CW / 16 - 1); each such four is added as one float4 at columns
         # 16 c + 4 (t % 4) .. + 3 of dKV_acc (tiling.dkv_column: a fixed permutation within
         # every 16 columns, undone by `finish`), by its own lane (row_lanes = 4) or, for half
-        # of them, by lane t ^ 4 (row_lanes = 8).  slot: the rows (own_slot)
+        # of them, by lane t ^ 4 (row_lanes = 8).  ev: dkv_pieces()
         if row_lanes == 4:
             # the four lanes of a row write 64 contiguous bytes per instruction, no lane
             # exchange (cuDNN's SM90 DSA backward stores its dKV partials the same way)
+            copy_cols(acc, ev[0], 0, 16)
+            copy_cols(acc, ev[1], 1, 16)
+            copy_cols(acc, ev[2], 8, 16)
+            copy_cols(acc, ev[3], 9, 16)
             for j, g in T.Parallel(BK, CW // 4):
                 i = (j % 16) // 8  # which of the thread's two rows
                 r4[0] = ev[0][j, g]
@@ -853,6 +814,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             # r4[12:16]), so that one atomic adds both groups of the even row (128 contiguous
             # bytes from 8 lanes) and the next both of the odd row (red_pieces.py: 128-byte
             # pieces reach the L2 faster than 64-byte ones).  Same columns as above
+            copy_cols(acc, ev[0], 0, 32)
+            copy_cols(acc, ev[1], 1, 32)
+            copy_cols(acc, ev[2], 8, 32)
+            copy_cols(acc, ev[3], 9, 32)
+            copy_cols(acc, ev[4], 16, 32)
+            copy_cols(acc, ev[5], 17, 32)
+            copy_cols(acc, ev[6], 24, 32)
+            copy_cols(acc, ev[7], 25, 32)
             for j, h in T.Parallel(BK, CW // 8):
                 i = (j % 16) // 8
                 odd = j % 2 == 1
@@ -883,12 +852,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     red4(dKV_acc, b_i, row_o, col_e, r4)
                 elif row_o >= 0:
                     T.atomic_addx4(dKV_acc[b_i, row_o, col_e], r4[0])
-
-    @T.macro
-    def scatter_chunk(acc, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col):
-        # chunk [BK, CW] of the block's dKV from the wgmma accumulator, with 16-byte atomics
-        copy_pieces(acc, ev)
-        add_pieces(ev, r4, slot, inv_l, u_l, dKV_acc, b_i, col)
 
     @T.macro
     def slot_max(u_l):
@@ -928,7 +891,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
 
     @T.macro
     def dkv_chunks_overlapped(chunks, i, P_s, dS_s, acc_a, acc_b, ev, r4, slot, inv_l, u_l,
-                              dKV_acc, b_i, pds_free, slot_prev=None):
+                              dKV_acc, b_i, pds_free):
         # chunks[i:] with chunk i's GEMMs issued into acc_a: chunk i + 1's GEMMs go into acc_b
         # (two accumulators) and run while chunk i is added, so that the atomics overlap the
         # tensor cores.  chunks: (half tile Q, half tile dO, chunk in the half, column).
@@ -941,16 +904,10 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             T.wait_wgmma(0)
             T.barrier_arrive(pds_free[0])  # the last read of P / dS
         T.warpgroup_fence_operand(acc_a, num_regs=BK * CW // WG)
-        if i + 1 == len(chunks) and slot_prev is not None:
-            # defer_last: only into registers no wgmma writes; added in the next block
-            copy_pieces(acc_a, ev, True)
-            for e in T.unroll(4):
-                slot_prev[e] = slot[e]
-        else:
-            scatter_chunk(acc_a, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3])
+        scatter_chunk(acc_a, ev, r4, slot, inv_l, u_l, dKV_acc, b_i, chunks[i][3])
         if i + 1 < len(chunks):
             dkv_chunks_overlapped(chunks, i + 1, P_s, dS_s, acc_b, acc_a, ev, r4, slot, inv_l,
-                                  u_l, dKV_acc, b_i, pds_free, slot_prev)
+                                  u_l, dKV_acc, b_i, pds_free)
 
     @T.macro
     def fused_loads(O, Lse, Sink, o_r, lse_r, b_i, s_i, h0, tx):
@@ -1017,7 +974,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
              BoundExp, O, Lse, Sink, DSink):
         # the kernel; O, Lse, Sink, DSink: None unless fused
         with T.Kernel(S, B, H_pad // M, threads=2 * WG,
-                      prelude=prelude) as (bx, b_i, g_i):
+                      prelude=RED_V4_SRC if pred_red else None) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
@@ -1067,7 +1024,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             r4 = T.alloc_local([4 if row_lanes == 4 else 16], acc_t)  # see scatter_chunk
             # the thread's two key rows of the block (own_slot): index, inverse grid, max
             slot = T.alloc_local([2 if row_lanes == 4 else 4], "int32")
-            slot_prev = T.alloc_local([4], "int32") if defer_last else None  # defer_last
             inv_l = T.alloc_local([2], acc_t)
             u_l = T.alloc_local([2], acc_t)
             ext_v, ext_last, ext_warps, nb = alloc_scratch(2 * WG)
@@ -1164,11 +1120,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             else:
                 t = tx - WG
                 T.fill(acc_dq_r, 0)
-                if defer_last:
-                    for e in T.unroll(4):
-                        slot_prev[e] = -1
-                    for piece in w1_e:
-                        T.fill(piece, 0)
                 if w1_right:
                     T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
@@ -1185,31 +1136,11 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                         if k + 1 < NB:
                             gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
                                          k + 1, t)
-                    elif defer_last == 1:
-                        # block k - 1's last chunk, added under this block's dQ GEMM and chunk 0
-                        T.wgmma_gemm(dS_s, K_r, acc_dq_r)
-                        issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
-                        add_pieces(w1_e, r4, slot_prev, inv_l, u_l, dKV_acc, b_i, w1_chunks[-1][3])
-                        T.wait_wgmma(2)  # the dQ GEMM done, chunk 0's two in flight
-                        T.warpgroup_fence_operand(acc_dq_r, num_regs=M * DH // WG)
-                        T.barrier_arrive(kv_free[0])
-                    elif defer_last == 2:
-                        # block k - 1's last chunk, added under this block's dQ GEMM
-                        T.wgmma_gemm(dS_s, K_r, acc_dq_r)
-                        add_pieces(w1_e, r4, slot_prev, inv_l, u_l, dKV_acc, b_i, w1_chunks[-1][3])
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(acc_dq_r, num_regs=M * DH // WG)
-                        T.barrier_arrive(kv_free[0])
                     else:
                         T.gemm(dS_s, K_r, acc_dq_r)
                         T.barrier_arrive(kv_free[0])
                     own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, t)
-                    if defer_last:
-                        if defer_last == 2:
-                            issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
-                        dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_e, r4,
-                                              slot, inv_l, u_l, dKV_acc, b_i, pds_free, slot_prev)
-                    elif overlap:
+                    if overlap:
                         issue_chunk(Q_l, dO_l, 0, P_s, dS_s, acc_w1)
                         dkv_chunks_overlapped(w1_chunks, 0, P_s, dS_s, acc_w1, acc_w1b, w1_e, r4,
                                               slot, inv_l, u_l, dKV_acc, b_i, pds_free)
@@ -1234,8 +1165,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                             for i in T.unroll(2):
                                 u_l[i] = T.max(u_l[i], u_w0[k % 2, slot_row(t) + 8 * i])
                         add_slot_bound(u_l, slot, Bound, BoundExp, b_i, t)
-                if defer_last:  # the last block's last chunk
-                    add_pieces(w1_e, r4, slot_prev, inv_l, u_l, dKV_acc, b_i, w1_chunks[-1][3])
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
                 if w1_right:
                     T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
