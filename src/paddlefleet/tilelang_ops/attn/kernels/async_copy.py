@@ -14,41 +14,7 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["load_head_tile", "gather_key_block", "load_key_rows", "PREFETCH_SRC",
-           "prefetch_rows", "NEXT_ROW"]
-
-#: ``prefetch_next`` (a trial): the CTA that starts on an SM after this one is about
-#: ``blockIdx.x + NEXT_ROW`` (one CTA per SM, 132 SMs), so its rows are prefetched into L2
-NEXT_ROW = 132
-
-PREFETCH_SRC = r"""
-__device__ __forceinline__ void pf_prefetch_l2(const void* base, long long off_bytes) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)base + off_bytes));
-}
-"""
-
-
-@T.macro
-def prefetch_rows(src, b_i, s_n, h0, rows, tx, nthreads):
-    """Prefetch into L2 the 128-byte lines of ``src[b_i, s_n, h0:h0 + rows, :]`` (bf16,
-    contiguous), spread over ``nthreads`` threads; ``src`` 3-D (``[B, S, width]``, int32 or
-    bf16): ``rows`` is ignored, the whole row."""
-    if len(src.shape) == 4:
-        width = src.shape[3]
-        per = width * 2 // 128  # lines per head row (576 bf16: 9)
-        lines = rows * per
-        first = ((T.Cast("int64", b_i) * src.shape[1] + s_n) * src.shape[2] + h0) * width * 2
-        for r in T.serial((lines + nthreads - 1) // nthreads):
-            if r * nthreads + tx < lines:
-                T.call_extern("handle", "pf_prefetch_l2", T.address_of(src[0, 0, 0, 0]),
-                              first + T.Cast("int64", r * nthreads + tx) * 128)
-    else:
-        lines = src.shape[2] * 4 // 128
-        first = (T.Cast("int64", b_i) * src.shape[1] + s_n) * src.shape[2] * 4
-        for r in T.serial(T.ceildiv(lines, nthreads)):
-            if r * nthreads + tx < lines:
-                T.call_extern("handle", "pf_prefetch_l2", T.address_of(src[0, 0, 0]),
-                              first + T.Cast("int64", r * nthreads + tx) * 128)
+__all__ = ["load_head_tile", "gather_key_block", "load_key_rows"]
 
 
 @T.macro

@@ -39,7 +39,7 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 
 from ... import settings
 from ..tiling import INDEX_PAD, dkv_column, dkv_columns_permuted, dkv_source_column
-from .async_copy import NEXT_ROW, PREFETCH_SRC, load_head_tile, prefetch_rows
+from .async_copy import load_head_tile
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
@@ -272,8 +272,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
          dkv_chunk: int | None = None, dkv_transposed: bool | None = None,
          warp_specialized: bool | None = None, wg0_chunks: int | None = None,
          overlap: bool | None = None, w1_right: bool | None = None, row_extent: bool = True,
-         row_lanes: int | None = None, pred_red: bool | None = None,
-         prefetch_next: bool | None = None, fused: bool = False, natural: bool = True):
+         row_lanes: int | None = None, pred_red: bool | None = None, fused: bool = False,
+         natural: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -346,8 +346,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
         warp_specialized = heads_per_cta == 64
     if warp_specialized and with_dq:
         return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
-                               row_extent, row_lanes, pred_red, fused, natural,
-                               bool(prefetch_next))
+                               row_extent, row_lanes, pred_red, fused, natural)
     assert not fused, "the fused preprocess is built into the two-warpgroup kernel only"
     threads = 256 if threads is None else threads
     num_stages = 1 if num_stages is None else num_stages
@@ -602,7 +601,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool | None = None,
                     w1_right: bool | None = None, row_extent: bool = True,
                     row_lanes: int | None = None, pred_red: bool | None = None,
-                    fused: bool = False, natural: bool = True, prefetch_next: bool = False):
+                    fused: bool = False, natural: bool = True):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -677,7 +676,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
     # in the atomic mode, run 39's profile) neither waits for kv_free nor gathers them
     assert not (w1_right and wg0_chunks), "w1_right: warpgroup 0 adds no dKV chunk"
     assert row_lanes in (4, 8), "row_lanes: 4 or 8 lanes per key row of an atomic"
-    prelude = ((RED_V4_SRC if pred_red else "") + (PREFETCH_SRC if prefetch_next else "")) or None
     M = heads_per_cta
     D = d_v
     DH = d_v // 2
@@ -976,7 +974,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
              BoundExp, O, Lse, Sink, DSink):
         # the kernel; O, Lse, Sink, DSink: None unless fused
         with T.Kernel(S, B, H_pad // M, threads=2 * WG,
-                      prelude=prelude) as (bx, b_i, g_i):
+                      prelude=RED_V4_SRC if pred_red else None) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
@@ -1116,14 +1114,6 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                                 for i in T.unroll(2):
                                     u_w0[k % 2, slot_row(tx) + 8 * i] = u_l[i]
                             T.barrier_arrive(u_ready[0])
-                if prefetch_next:
-                    # (a trial) the tiles and indices of the row that comes next on this SM,
-                    # into L2 while warpgroup 1 adds the last block's dKV
-                    s_n = s_i - NEXT_ROW if row_extent else s_i + NEXT_ROW
-                    if s_n >= 0 and s_n < S:
-                        prefetch_rows(Q, b_i, s_n, h0, M, tx, WG)
-                        prefetch_rows(dO, b_i, s_n, h0, M, tx, WG)
-                        prefetch_rows(Indices, b_i, s_n, h0, M, tx, WG)
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
                 if not w1_right:
                     T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])

@@ -19,8 +19,7 @@ from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PA
 
 
 from ... import settings
-from .async_copy import (NEXT_ROW, PREFETCH_SRC, gather_key_block, load_head_tile,
-                         load_key_rows, prefetch_rows)
+from .async_copy import gather_key_block, load_head_tile, load_key_rows
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
 
 tilelang = settings.import_tilelang()
@@ -95,7 +94,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True, consumer_regs: int = 224, prefetch_next: bool = False):
+               row_extent: bool = True, consumer_regs: int = 224):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -119,8 +118,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs,
-                                 prefetch_next)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -207,8 +205,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
 
 
 def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      row_extent: bool = True, consumer_regs: int = 224,
-                      prefetch_next: bool = False):
+                      row_extent: bool = True, consumer_regs: int = 224):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     Warpgroups 0 and 1, the consumers, take alternate key blocks: warpgroup 0 the even ones (key
@@ -300,8 +297,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         O: T.Tensor([B, S, H_pad, D], dtype),
         Lse: T.Tensor([B, S, H_pad], acc_t),
     ):
-        with T.Kernel(S, B, H_pad // M, threads=3 * WG,
-                      prelude=PREFETCH_SRC if prefetch_next else None) as (bx, b_i, g_i):
+        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
@@ -364,13 +360,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             h0 = g_i * M
             load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
             T.cp_async_barrier_noinc(q_ready[0])
-            if prefetch_next:
-                # the query tile and indices of the row that comes next on this SM, into L2
-                if bx + NEXT_ROW < S:
-                    prefetch_rows(Q, b_i, S - 1 - (bx + NEXT_ROW) if row_extent
-                                  else bx + NEXT_ROW, h0, M, tx, 3 * WG)
-                    prefetch_rows(Indices, b_i, S - 1 - (bx + NEXT_ROW) if row_extent
-                                  else bx + NEXT_ROW, h0, M, tx, 3 * WG)
             if row_extent:
                 row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
             else:
