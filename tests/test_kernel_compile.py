@@ -207,6 +207,44 @@ def test_forward_consumers_take_alternate_blocks():
     assert re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src216) == ["216", "216", "72"]
 
 
+def _role_barrier_ids(src):
+    """The named-barrier ids (``__sync_thread_partial(id, count)``) in each warpgroup role of a
+    warp-specialised kernel: the block of ``threadIdx.x < 128``, then, in what follows it, the
+    block of ``threadIdx.x < 256`` (the forward's second consumer) and the rest (its producer,
+    or the backward's warpgroup 1)."""
+    ids = lambda text: set(re.findall(r"__sync_thread_partial\((\d+), \d+\)", text))
+    a, b = max(_blocks(src, "if (((int)threadIdx.x) < 128) {"), key=lambda s: s[1] - s[0])
+    roles, rest = [ids(src[a:b])], src[b:]
+    inner = _blocks(rest, "if (((int)threadIdx.x) < 256) {")
+    if inner:
+        c, d = max(inner, key=lambda s: s[1] - s[0])
+        roles.append(ids(rest[c:d]))
+        rest = rest[:c] + rest[d:]
+    roles.append(ids(rest))
+    return roles
+
+
+@pytest.mark.parametrize("kernel", ["fwd64", "main64_exact", "main64_atomic_fused"])
+def test_named_barriers_belong_to_one_role(kernel):
+    """No named barrier id serves two warpgroup roles: ``bar.sync id, 128`` completes once any
+    128 threads arrive, so a producer and a consumer that both used id 3 released each other's
+    barriers (the persistent forward trial, runs 103-105: TileLang gave the barrier it inserted
+    into the producer the id of warpgroup 0's own).  The shipped kernels' TileLang barriers:
+    3 in warpgroup 0, 4 in the forward's warpgroup 1, none in a producer."""
+    from paddlefleet.tilelang_ops.attn.kernels import main_args
+
+    name, args = {"fwd64": ("fwd", (64, 576, 512)), "main64_exact": MAIN64,
+                  "main64_atomic_fused": ("bwd_main", main_args(64, "atomic", True, fused=True))
+                  }[kernel]
+    src = _lower(name, args).kernel_source
+    roles = _role_barrier_ids(src)
+    assert len(roles) == (3 if name == "fwd" else 2)
+    for i, r in enumerate(roles):
+        assert "0" not in r, (i, r)
+        for other in roles[i + 1:]:
+            assert not r & other, roles
+
+
 @pytest.mark.parametrize("regs", [160, 220, 248])
 def test_forward_consumer_regs_outside_the_register_file_are_refused(regs):
     """``consumer_regs`` below 168 (the launch's share) or above 240 (a producer below 24) or off
