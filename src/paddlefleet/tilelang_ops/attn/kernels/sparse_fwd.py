@@ -94,7 +94,7 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True, consumer_regs: int = 224):
+               row_extent: bool = True, consumer_regs: int = 224, persistent: int = 0):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -117,6 +117,9 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
+    if warp_specialized and persistent:
+        return _persistent(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs,
+                           persistent)
     if warp_specialized:
         return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs)
     M = heads_per_cta
@@ -499,3 +502,342 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                         refill(free_l1, ready_l1, par, KV, rows1, K_l1, None, None, b_i, t)
 
     return sparse_fwd_ws
+
+
+def _persistent(heads_per_cta: int, d_qk: int, d_v: int, block_k: int, row_extent: bool,
+                consumer_regs: int, ctas: int):
+    """(A trial, ``persistent=ctas``.)  :func:`_warp_specialized`'s schedule on ``ctas`` CTAs
+    that each walk the (row, head group) items ``cta, cta + ctas, ...`` in the launch order of
+    the non-persistent grid.  Why: a CTA of that kernel costs ~8.8 us besides its key blocks
+    (run 101: 1.81 us per block of 64 keys, 13% of a `ref` CTA), its prologue, pipeline fill
+    and epilogue, with nothing else on the SM (one CTA fills it).  Here the producer loads the
+    next item's query tile once both consumers are past their last score GEMM of the current
+    one (``q_free``) and gathers its first blocks as the buffers come free, while the consumers
+    finish; the consumers store ``O`` from registers (the query buffers are the next item's).
+    The producer scans each row for its block count (each of its warps on its own) and hands
+    it over in ``nb_s`` with ``q_ready``.  Barrier phases run on across items: per pair for
+    buffer 0 and the pair's hand-overs, per use for buffer 1 (an odd last pair has none), per
+    item for ``q_ready``, ``q_free``, ``sum_ready`` and ``fin_ready``."""
+    assert heads_per_cta == 64 and d_v % 128 == 0
+    assert consumer_regs % 8 == 0 and 168 <= consumer_regs <= 240, "consumer_regs: 168..240"
+    flags, ctas = ctas // 1000, ctas % 1000  # diagnostic: 1 no Q reload, 2 backward scan
+    M = heads_per_cta
+    D = d_v
+    DH = d_v // 2
+    D_tail = d_qk - d_v
+    BK = block_k
+    assert BK == M and D_tail == BK, "the rope tail holds P: Dk - Dv = block_k = 64"
+    dtype = "bfloat16"
+    acc_t = "float32"
+    WG = 128
+    assert M * d_qk // 8 % WG == 0
+    SCAN = 8  # slots per lane and pass of the producer's row scan (each warp alone)
+
+    B = T.dynamic("B")
+    S = T.dynamic("S")
+    S_kv = T.dynamic("S_kv")
+    L = T.dynamic("L")
+    H_pad = T.dynamic("H_pad")
+
+    @T.macro
+    def masked_scores(Indices, b_i, s_i, k, acc_s):
+        for h, j in T.Parallel(M, BK):
+            acc_s[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
+                                         -T.infinity(acc_t))
+
+    @T.macro
+    def refill(free, ready, parity, KV, rows, K_l, K_r, K_t, b_i, t):
+        T.barrier_wait(free[0], parity ^ 1)
+        gather_key_block(KV, rows, K_l, K_r, K_t, b_i, t)
+        T.cp_async_barrier_noinc(ready[0])
+
+    @T.macro
+    def item_of(cta, n, it):
+        # it = [b, s, g] of the CTA's n-th item, in the non-persistent grid's launch order
+        # (x fastest, then b, then the head group; rows last-first with row_extent)
+        it[3] = cta + n * ctas
+        it[1] = it[3] % S
+        it[0] = (it[3] // S) % B
+        it[2] = it[3] // S // B
+        if row_extent:
+            it[1] = S - 1 - it[1]
+
+    @T.macro
+    def scan_blocks(Indices, c, t, sv, cnt):
+        # cnt[3]: the blocks of row c = (b, s) up to its last slot with a key (at least 1), by
+        # each producer warp alone (no shared memory: no barrier for TileLang to insert, whose
+        # id collided with warpgroup 0's, run 104); one item ahead, so its passes' latency
+        # hides behind the current item
+        if row_extent and flags & 2:
+            # from the row's end, one pass at a time, until a pass finds a key: a full row
+            # takes one pass
+            cnt[3] = 0
+            for p in T.serial(T.ceildiv(L, 32 * SCAN)):
+                if cnt[3] == 0:
+                    for e in T.unroll(SCAN):
+                        sv[e] = -1
+                        if L - ((p * 32 + t % 32) + 1) * SCAN + e >= 0:
+                            sv[e] = Indices[c[0], c[1], L - ((p * 32 + t % 32) + 1) * SCAN + e]
+                    for e in T.unroll(SCAN):
+                        if sv[e] >= 0:
+                            cnt[3] = T.max(cnt[3], L - ((p * 32 + t % 32) + 1) * SCAN + e + 1)
+                    for k in T.unroll(5):
+                        cnt[3] = T.max(cnt[3], T.shfl_xor(cnt[3], 16 >> k))
+            cnt[3] = T.max(1, T.ceildiv(cnt[3], BK))
+        elif row_extent:
+            cnt[3] = 0
+            for p in T.serial(T.ceildiv(L, 32 * SCAN)):
+                for e in T.unroll(SCAN):
+                    sv[e] = -1
+                    if (p * 32 + t % 32) * SCAN + e < L:
+                        sv[e] = Indices[c[0], c[1], (p * 32 + t % 32) * SCAN + e]
+                for e in T.unroll(SCAN):
+                    if sv[e] >= 0:
+                        cnt[3] = (p * 32 + t % 32) * SCAN + e + 1
+            for k in T.unroll(5):
+                cnt[3] = T.max(cnt[3], T.shfl_xor(cnt[3], 16 >> k))
+            cnt[3] = T.max(1, T.ceildiv(cnt[3], BK))
+        else:
+            cnt[3] = L // BK
+
+    @T.prim_func
+    def sparse_fwd_persistent(
+        Q: T.Tensor([B, S, H_pad, d_qk], dtype),
+        KV: T.Tensor([B, S_kv, d_qk], dtype),
+        Indices: T.Tensor([B, S, L], "int32"),
+        Sink: T.Tensor([H_pad], acc_t),
+        Scale: T.Tensor([1], acc_t),
+        O: T.Tensor([B, S, H_pad, D], dtype),
+        Lse: T.Tensor([B, S, H_pad], acc_t),
+    ):
+        with T.Kernel(ctas, threads=3 * WG) as cta:
+            Q_l = T.alloc_shared([M, DH], dtype)
+            Q_r = T.alloc_shared([M, DH], dtype)
+            Q_tail = T.alloc_shared([M, D_tail], dtype)
+            K_l0 = T.alloc_shared([BK, DH], dtype)
+            K_r0 = T.alloc_shared([BK, DH], dtype)
+            K_t0 = T.alloc_shared([BK, D_tail], dtype)
+            K_l1 = T.alloc_shared([BK, DH], dtype)
+            K_r1 = T.alloc_shared([BK, DH], dtype)
+            K_t1 = T.alloc_shared([BK, D_tail], dtype)
+            P_1 = T.alloc_shared([M, BK], dtype)
+            P_0 = K_t0
+            m_shared = T.alloc_shared([M], acc_t)
+            sum_shared = T.alloc_shared([M], acc_t)
+            alpha_shared = T.alloc_shared([M], acc_t)
+            nb_s = T.alloc_shared([2], "int32", scope="shared")  # item n's block count, n % 2
+
+            q_ready = T.alloc_barrier(arrive_count=WG + 1)  # the tile's cp.async + nb_s
+            q_free = T.alloc_barrier(arrive_count=2 * WG)
+            ready_l0 = T.alloc_barrier(arrive_count=WG)
+            ready_rt0 = T.alloc_barrier(arrive_count=WG)
+            ready_l1 = T.alloc_barrier(arrive_count=WG)
+            ready_rt1 = T.alloc_barrier(arrive_count=WG)
+            free_l0 = T.alloc_barrier(arrive_count=WG)
+            free_rt0 = T.alloc_barrier(arrive_count=WG)
+            free_l1 = T.alloc_barrier(arrive_count=WG)
+            free_rt1 = T.alloc_barrier(arrive_count=WG)
+            m0_ready = T.alloc_barrier(arrive_count=WG)
+            m1_ready = T.alloc_barrier(arrive_count=WG)
+            p0_ready = T.alloc_barrier(arrive_count=WG)
+            p1_ready = T.alloc_barrier(arrive_count=WG)
+            sum_ready = T.alloc_barrier(arrive_count=WG)
+            fin_ready = T.alloc_barrier(arrive_count=WG)
+
+            acc_s0 = T.alloc_fragment([M, BK], acc_t)
+            acc_s1 = T.alloc_fragment([M, BK], acc_t)
+            p_0 = T.alloc_fragment([M, BK], dtype)
+            p_1 = T.alloc_fragment([M, BK], dtype)
+            acc_o0 = T.alloc_fragment([M, DH], acc_t)
+            acc_o1 = T.alloc_fragment([M, DH], acc_t)
+            row_max = T.alloc_fragment([M], acc_t)
+            row_max_prev = T.alloc_fragment([M], acc_t)
+            row_sum = T.alloc_fragment([M], acc_t)
+            blk_sum = T.alloc_fragment([M], acc_t)
+            alpha = T.alloc_fragment([M], acc_t)
+            m_shift = T.alloc_fragment([M], acc_t)
+            lse_frag = T.alloc_fragment([M], acc_t)
+            row_max1 = T.alloc_fragment([M], acc_t)
+            row_max_prev1 = T.alloc_fragment([M], acc_t)
+            row_sum1 = T.alloc_fragment([M], acc_t)
+            blk_sum1 = T.alloc_fragment([M], acc_t)
+            alpha1 = T.alloc_fragment([M], acc_t)
+            m_shift1 = T.alloc_fragment([M], acc_t)
+            scale2 = T.alloc_local([1], acc_t)
+            rows0 = T.alloc_local([BK // 16], "int32")
+            rows1 = T.alloc_local([BK // 16], "int32")
+            it = T.alloc_local([4], "int32")  # b, s, head group, item
+            it2 = T.alloc_local([4], "int32")  # the producer's next item
+            cnt = T.alloc_local([4], "int32")  # pairs, buffer-1 uses so far, NB, the next NB
+            sv = T.alloc_local([SCAN], "int32")
+
+            tx = T.get_thread_binding()
+            n_mine = T.ceildiv(T.max(B * S * (H_pad // M) - cta, 0), ctas)
+            scale2[0] = Scale[0] * LOG2E
+            cnt[0] = 0
+            cnt[1] = 0
+            if tx < WG:
+                T.set_max_nreg(consumer_regs, 1)
+                for n in T.serial(n_mine):
+                    item_of(cta, n, it)
+                    T.fill(acc_o0, 0)
+                    T.fill(row_sum, 0)
+                    T.fill(row_max, -T.infinity(acc_t))
+                    T.barrier_wait(q_ready[0], n & 1)
+                    cnt[2] = nb_s[n % 2]
+                    T.fence_proxy_async()
+                    for i in T.serial(T.ceildiv(cnt[2], 2)):
+                        masked_scores(Indices, it[0], it[1], 2 * i, acc_s0)
+                        T.barrier_wait(ready_l0[0], (cnt[0] + i) & 1)
+                        T.fence_proxy_async()
+                        if i > 0:
+                            T.wgmma_gemm(P_1, K_l1, acc_o0)
+                            T.wgmma_gemm(Q_l, K_l0, acc_s0, transpose_B=True)
+                            T.wait_wgmma(1)
+                            T.barrier_arrive(free_l1[0])
+                        else:
+                            T.wgmma_gemm(Q_l, K_l0, acc_s0, transpose_B=True)
+                        T.barrier_wait(ready_rt0[0], (cnt[0] + i) & 1)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(Q_r, K_r0, acc_s0, transpose_B=True)
+                        T.wgmma_gemm(Q_tail, K_t0, acc_s0, transpose_B=True)
+                        T.wait_wgmma(0)
+                        if 2 * i + 2 >= cnt[2]:
+                            T.barrier_arrive(q_free[0])  # the item's last score GEMM is done
+                        T.warpgroup_fence_operand(acc_s0, num_regs=M * BK // WG)
+                        softmax_step(acc_s0, row_max, row_max_prev, row_sum, blk_sum, alpha,
+                                     m_shift, scale2)
+                        for h in T.Parallel(M):
+                            m_shared[h] = row_max[h]
+                        T.barrier_arrive(m0_ready[0])
+                        scale_rows(acc_o0, alpha)
+                        T.copy(acc_s0, p_0)
+                        T.wgmma_gemm(p_0, K_l0, acc_o0)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_o0, num_regs=M * DH // WG)
+                        T.barrier_arrive(free_l0[0])
+                        T.barrier_wait(m1_ready[0], (cnt[0] + i) & 1)
+                        for h in T.Parallel(M):
+                            m_shift[h] = finite_shift(m_shared[h])
+                            alpha[h] = T.exp2((row_max[h] - m_shift[h]) * scale2[0])
+                            row_max[h] = m_shared[h]
+                            row_sum[h] = row_sum[h] * alpha[h]
+                        scale_rows(acc_s0, alpha)
+                        T.copy(acc_s0, P_0)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(p0_ready[0])
+                        scale_rows(acc_o0, alpha)
+                        if 2 * i + 1 < cnt[2]:
+                            T.barrier_wait(p1_ready[0], (cnt[1] + i) & 1)
+                    if cnt[2] % 2 == 0:
+                        T.wgmma_gemm(P_1, K_l1, acc_o0)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(free_l1[0])
+                    T.warpgroup_fence_operand(acc_o0, num_regs=M * DH // WG)
+                    T.barrier_wait(sum_ready[0], n & 1)
+                    for h in T.Parallel(M):
+                        row_sum[h] = row_sum[h] + sum_shared[h]
+                    fold_sink(row_max, row_sum, Sink, it[2] * M, scale2, alpha, lse_frag,
+                              alpha_shared)
+                    T.barrier_arrive(fin_ready[0])
+                    scale_rows(acc_o0, alpha)
+                    T.copy(acc_o0, O[it[0], it[1], it[2] * M:it[2] * M + M, :DH])
+                    T.copy(lse_frag, Lse[it[0], it[1], it[2] * M:it[2] * M + M])
+                    cnt[0] = cnt[0] + T.ceildiv(cnt[2], 2)
+                    cnt[1] = cnt[1] + cnt[2] // 2
+            elif tx < 2 * WG:
+                T.set_max_nreg(consumer_regs, 1)
+                for n in T.serial(n_mine):
+                    item_of(cta, n, it)
+                    T.fill(acc_o1, 0)
+                    T.fill(row_sum1, 0)
+                    T.fill(row_max1, -T.infinity(acc_t))
+                    T.barrier_wait(q_ready[0], n & 1)
+                    cnt[2] = nb_s[n % 2]
+                    T.fence_proxy_async()
+                    for i in T.serial(T.ceildiv(cnt[2], 2)):
+                        if 2 * i + 1 < cnt[2]:
+                            masked_scores(Indices, it[0], it[1], 2 * i + 1, acc_s1)
+                            T.barrier_wait(ready_rt1[0], (cnt[1] + i) & 1)
+                            T.fence_proxy_async()
+                            T.wgmma_gemm(Q_r, K_r1, acc_s1, transpose_B=True)
+                            T.wgmma_gemm(Q_tail, K_t1, acc_s1, transpose_B=True)
+                            T.barrier_wait(ready_l1[0], (cnt[1] + i) & 1)
+                            T.fence_proxy_async()
+                            T.wgmma_gemm(Q_l, K_l1, acc_s1, transpose_B=True)
+                            T.wait_wgmma(0)
+                            if 2 * i + 2 >= cnt[2]:
+                                T.barrier_arrive(q_free[0])
+                        else:
+                            T.barrier_arrive(q_free[0])  # its last score GEMM was the pair before
+                            T.fill(acc_s1, -T.infinity(acc_t))
+                        T.warpgroup_fence_operand(acc_s1, num_regs=M * BK // WG)
+                        T.barrier_wait(m0_ready[0], (cnt[0] + i) & 1)
+                        softmax_step(acc_s1, row_max1, row_max_prev1, row_sum1, blk_sum1,
+                                     alpha1, m_shift1, scale2, start=m_shared)
+                        for h in T.Parallel(M):
+                            m_shared[h] = row_max1[h]
+                        T.barrier_arrive(m1_ready[0])
+                        scale_rows(acc_o1, alpha1)
+                        if 2 * i + 1 < cnt[2]:
+                            T.copy(acc_s1, p_1)
+                            T.wgmma_gemm(p_1, K_r1, acc_o1)
+                            T.copy(p_1, P_1)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(p1_ready[0])
+                        T.barrier_wait(p0_ready[0], (cnt[0] + i) & 1)
+                        T.wgmma_gemm(P_0, K_r0, acc_o1)
+                        if 2 * i + 1 < cnt[2]:
+                            T.wait_wgmma(1)
+                            T.barrier_arrive(free_rt1[0])
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_o1, num_regs=M * DH // WG)
+                        T.barrier_arrive(free_rt0[0])
+                    for h in T.Parallel(M):
+                        sum_shared[h] = row_sum1[h]
+                    T.barrier_arrive(sum_ready[0])
+                    T.barrier_wait(fin_ready[0], n & 1)
+                    scale_rows(acc_o1, alpha_shared)
+                    T.copy(acc_o1, O[it[0], it[1], it[2] * M:it[2] * M + M, DH:])
+                    cnt[0] = cnt[0] + T.ceildiv(cnt[2], 2)
+                    cnt[1] = cnt[1] + cnt[2] // 2
+            else:
+                T.set_max_nreg(504 - 2 * consumer_regs, 0)
+                t = tx - 2 * WG
+                if n_mine > 0:
+                    item_of(cta, 0, it2)
+                    scan_blocks(Indices, it2, t, sv, cnt)
+                for n in T.serial(n_mine):
+                    item_of(cta, n, it)
+                    cnt[2] = cnt[3]
+                    T.barrier_wait(q_free[0], (n & 1) ^ 1)
+                    if flags % 2 == 0:
+                        load_head_tile(Q, it[0], it[1], it[2] * M, Q_l, Q_r, Q_tail, t, WG)
+                    elif n == 0:
+                        load_head_tile(Q, it[0], it[1], it[2] * M, Q_l, Q_r, Q_tail, t, WG)
+                    T.cp_async_barrier_noinc(q_ready[0])
+                    if t == 0:
+                        nb_s[n % 2] = cnt[2]
+                        T.barrier_arrive(q_ready[0])
+                    for i in T.serial(T.ceildiv(cnt[2], 2)):
+                        load_key_rows(Indices, it[0], it[1], 2 * i, t, rows0)
+                        if 2 * i + 1 < cnt[2]:
+                            load_key_rows(Indices, it[0], it[1], 2 * i + 1, t, rows1)
+                        refill(free_l0, ready_l0, (cnt[0] + i) & 1, KV, rows0, K_l0, None, None,
+                               it[0], t)
+                        if 2 * i + 1 < cnt[2]:
+                            refill(free_rt1, ready_rt1, (cnt[1] + i) & 1, KV, rows1, None, K_r1,
+                                   K_t1, it[0], t)
+                        refill(free_rt0, ready_rt0, (cnt[0] + i) & 1, KV, rows0, None, K_r0,
+                               K_t0, it[0], t)
+                        if 2 * i + 1 < cnt[2]:
+                            refill(free_l1, ready_l1, (cnt[1] + i) & 1, KV, rows1, K_l1, None,
+                                   None, it[0], t)
+                        if i == 0 and n + 1 < n_mine:
+                            # the next item's block count, while this one's first pair lands
+                            item_of(cta, n + 1, it2)
+                            scan_blocks(Indices, it2, t, sv, cnt)
+                    cnt[0] = cnt[0] + T.ceildiv(cnt[2], 2)
+                    cnt[1] = cnt[1] + cnt[2] // 2
+
+    return sparse_fwd_persistent
