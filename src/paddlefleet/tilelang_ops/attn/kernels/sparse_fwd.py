@@ -27,6 +27,15 @@ from tilelang import language as T  # noqa: E402
 
 __all__ = ["sparse_fwd"]
 
+#: (the ``timeline`` diagnostic) the SM's id
+TIMELINE_SRC = r"""
+__device__ __forceinline__ int pf_smid() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return (int)r;
+}
+"""
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -94,7 +103,8 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
 def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
                num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True, consumer_regs: int = 224):
+               row_extent: bool = True, consumer_regs: int = 224, timeline: bool = False,
+               tma_q: bool = True):
     """Build the forward kernel for one head tile.
 
     Args (all static):
@@ -107,6 +117,10 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
             last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
         consumer_regs: (64-head schedule) ``setmaxnreg`` of each consumer thread, a multiple of
             8 in ``[168, 240]``; the producer gets the rest, ``504 - 2 x consumer_regs``.
+        timeline: (64-head schedule, a diagnostic) write SM-cycle stamps of the CTA's stages
+            into ``Lse`` instead of the lse (``tools/experiments/fwd_timeline.py``).
+        tma_q: (64-head schedule) load the query tile by TMA (default); ``False``: 16-byte
+            ``cp.async`` by all 384 threads (``async_copy.load_head_tile``, a trial knob).
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -118,7 +132,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     if warp_specialized is None:
         warp_specialized = heads_per_cta == 64
     if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs)
+        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs,
+                                 timeline, tma_q)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -205,7 +220,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
 
 
 def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      row_extent: bool = True, consumer_regs: int = 224):
+                      row_extent: bool = True, consumer_regs: int = 224, timeline: bool = False,
+                      tma_q: bool = True):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     Warpgroups 0 and 1, the consumers, take alternate key blocks: warpgroup 0 the even ones (key
@@ -246,8 +262,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     ``O_l += P_1 V_1`` is issued at the top of the next pair (the final pair's after the loop),
     not at the end of its own: a wgmma in flight across the loop's back edge made ptxas
     serialise every wgmma of the kernel (its warning C7514).  The
-    query tile is loaded with 16-byte ``cp.async`` by all 384 threads before the split (a
-    ``T.copy`` by 384 threads lowered to two-byte loads, run 24).  With ``row_extent`` every
+    query tile comes by TMA, nine boxes from one elected thread (``tma_q``): issued by 384 threads
+    as 16-byte ``cp.async``, the CTA took 3.4 us just to issue them and its first softmax came
+    7.2 us after it began, against 0.44 and 4.4 us by TMA (run 110's timeline); -4 to -5% at
+    ``ref`` and ``h128``, -13% at ``fleet`` (run 110).  With ``row_extent`` every
     role walks the row's blocks only up to the one holding its last slot with a key (the blocks
     after it add nothing), and the rows go last-first (``row_blocks``).
     """
@@ -287,6 +305,23 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         gather_key_block(KV, rows, K_l, K_r, K_t, b_i, t)
         T.cp_async_barrier_noinc(ready[0])
 
+    @T.macro
+    def stamp(Lse, b_i, s_i, h0, t0, e, cond):
+        # (timeline, a diagnostic) SM cycles since the CTA began, into Lse slot e of its row
+        if timeline:
+            if cond:
+                Lse[b_i, s_i, h0 + e] = T.Cast(acc_t, T.call_extern("int64", "clock64") - t0[0])
+
+    @T.macro
+    def stamp_abs(Lse, b_i, s_i, h0, e, cond):
+        # (timeline) the SM's clock itself, in two exact fp32 slots e, e + 1 (bits 24+, 0-23)
+        if timeline:
+            if cond:
+                Lse[b_i, s_i, h0 + e] = T.Cast(acc_t, T.shift_right(
+                    T.call_extern("int64", "clock64"), T.int64(24)))
+                Lse[b_i, s_i, h0 + e + 1] = T.Cast(acc_t, T.bitwise_and(
+                    T.call_extern("int64", "clock64"), T.int64(0xFFFFFF)))
+
     @T.prim_func
     def sparse_fwd_ws(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -297,7 +332,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         O: T.Tensor([B, S, H_pad, D], dtype),
         Lse: T.Tensor([B, S, H_pad], acc_t),
     ):
-        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (bx, b_i, g_i):
+        with T.Kernel(S, B, H_pad // M, threads=3 * WG,
+                      prelude=TIMELINE_SRC if timeline else None) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
@@ -356,17 +392,36 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             rows1 = T.alloc_local([BK // 16], "int32")
             ext_v, ext_last, ext_warps, nb = alloc_scratch(3 * WG)
 
+            t0 = T.alloc_local([1], "int64")
             tx = T.get_thread_binding()
             h0 = g_i * M
-            load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
-            T.cp_async_barrier_noinc(q_ready[0])
+            if timeline:
+                t0[0] = T.call_extern("int64", "clock64")
+                if tx == 0:
+                    Lse[b_i, s_i, h0 + 18] = T.Cast(acc_t, T.call_extern("int32", "pf_smid"))
+                    Lse[b_i, s_i, h0 + 19] = T.Cast(acc_t, T.shift_right(t0[0], T.int64(24)))
+                    Lse[b_i, s_i, h0 + 20] = T.Cast(acc_t, T.bitwise_and(t0[0],
+                                                                        T.int64(0xFFFFFF)))
+            if tma_q:
+                T.tma_copy(Q[b_i, s_i, h0:h0 + M, :DH], Q_l, barrier=q_ready[0])
+                T.tma_copy(Q[b_i, s_i, h0:h0 + M, DH:2 * DH], Q_r, barrier=q_ready[0])
+                T.tma_copy(Q[b_i, s_i, h0:h0 + M, 2 * DH:], Q_tail, barrier=q_ready[0])
+                # every thread arrives: the phase cannot end before the elected thread's
+                # expect_tx (its own arrive comes after it)
+                T.barrier_arrive(q_ready[0])
+            else:
+                load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
+                T.cp_async_barrier_noinc(q_ready[0])
+            stamp(Lse, b_i, s_i, h0, t0, 0, tx == 0)
             if row_extent:
                 row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
             else:
                 nb[0] = L // BK
             NB = nb[0]
+            stamp(Lse, b_i, s_i, h0, t0, 1, tx == 0)
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
+            stamp(Lse, b_i, s_i, h0, t0, 2, tx == 0)
 
             scale2[0] = Scale[0] * LOG2E  # both consumers compute weights
             if tx < WG:
@@ -375,9 +430,12 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.fill(row_sum, 0)
                 T.fill(row_max, -T.infinity(acc_t))
                 for i in T.serial(T.ceildiv(NB, 2)):
+                    stamp(Lse, b_i, s_i, h0, t0, 16, T.And(tx == 0, i == 8))
+                    stamp(Lse, b_i, s_i, h0, t0, 17, T.And(tx == 0, i == 12))
                     masked_scores(Indices, b_i, s_i, 2 * i, acc_s0)
                     T.barrier_wait(ready_l0[0], i & 1)
                     T.fence_proxy_async()
+                    stamp(Lse, b_i, s_i, h0, t0, 5, T.And(tx == 0, i == 0))
                     if i > 0:
                         # the previous pair's O_l += P_1 V_1, issued here and not at the end
                         # of that pair: a wgmma in flight across the loop's back edge made ptxas
@@ -393,12 +451,14 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     T.wgmma_gemm(Q_r, K_r0, acc_s0, transpose_B=True)
                     T.wgmma_gemm(Q_tail, K_t0, acc_s0, transpose_B=True)
                     T.wait_wgmma(0)
+                    stamp(Lse, b_i, s_i, h0, t0, 6, T.And(tx == 0, i == 0))
                     T.warpgroup_fence_operand(acc_s0, num_regs=M * BK // WG)
                     softmax_step(acc_s0, row_max, row_max_prev, row_sum, blk_sum, alpha,
                                  m_shift, scale2)
                     for h in T.Parallel(M):
                         m_shared[h] = row_max[h]
                     T.barrier_arrive(m0_ready[0])
+                    stamp(Lse, b_i, s_i, h0, t0, 7, T.And(tx == 0, i == 0))
                     scale_rows(acc_o0, alpha)
                     T.copy(acc_s0, p_0)
                     T.wgmma_gemm(p_0, K_l0, acc_o0)
@@ -419,6 +479,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     scale_rows(acc_o0, alpha)
                     if 2 * i + 1 < NB:
                         T.barrier_wait(p1_ready[0], i & 1)
+                stamp(Lse, b_i, s_i, h0, t0, 10, tx == 0)
                 # the final pair's P_1 V_1 (NB >= 1: row_key_blocks, or L >= BK from the host)
                 if NB % 2 == 0:
                     T.wgmma_gemm(P_1, K_l1, acc_o0)
@@ -430,10 +491,14 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     row_sum[h] = row_sum[h] + sum_shared[h]
                 fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
                 T.barrier_arrive(fin_ready[0])
+                stamp(Lse, b_i, s_i, h0, t0, 12, tx == 0)
                 scale_rows(acc_o0, alpha)
                 T.copy(acc_o0, O_l)
                 T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
-                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
+                if not timeline:
+                    T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
+                stamp(Lse, b_i, s_i, h0, t0, 13, tx == 0)
+                stamp_abs(Lse, b_i, s_i, h0, 21, tx == 0)
             elif tx < 2 * WG:
                 T.set_max_nreg(consumer_regs, 1)
                 T.fill(acc_o1, 0)
@@ -444,6 +509,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                         masked_scores(Indices, b_i, s_i, 2 * i + 1, acc_s1)
                         T.barrier_wait(ready_rt1[0], i & 1)
                         T.fence_proxy_async()
+                        stamp(Lse, b_i, s_i, h0, t0, 8, T.And(tx == WG, i == 0))
                         T.wgmma_gemm(Q_r, K_r1, acc_s1, transpose_B=True)
                         T.wgmma_gemm(Q_tail, K_t1, acc_s1, transpose_B=True)
                         T.barrier_wait(ready_l1[0], i & 1)
@@ -460,6 +526,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     for h in T.Parallel(M):
                         m_shared[h] = row_max1[h]
                     T.barrier_arrive(m1_ready[0])
+                    stamp(Lse, b_i, s_i, h0, t0, 9, T.And(tx == WG, i == 0))
                     scale_rows(acc_o1, alpha1)
                     if 2 * i + 1 < NB:
                         T.copy(acc_s1, p_1)
@@ -475,6 +542,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_o1, num_regs=M * DH // WG)
                     T.barrier_arrive(free_rt0[0])
+                stamp(Lse, b_i, s_i, h0, t0, 11, tx == WG)
                 for h in T.Parallel(M):
                     sum_shared[h] = row_sum1[h]
                 T.barrier_arrive(sum_ready[0])
@@ -482,6 +550,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 scale_rows(acc_o1, alpha_shared)
                 T.copy(acc_o1, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
+                stamp(Lse, b_i, s_i, h0, t0, 14, tx == WG)
+                stamp_abs(Lse, b_i, s_i, h0, 23, tx == WG)
             else:
                 T.set_max_nreg(504 - 2 * consumer_regs, 0)  # the rest of 3 x 168
                 t = tx - 2 * WG
@@ -492,10 +562,12 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     if 2 * i + 1 < NB:
                         load_key_rows(Indices, b_i, s_i, 2 * i + 1, t, rows1)
                     refill(free_l0, ready_l0, par, KV, rows0, K_l0, None, None, b_i, t)
+                    stamp(Lse, b_i, s_i, h0, t0, 4, T.And(t == 0, i == 0))
                     if 2 * i + 1 < NB:
                         refill(free_rt1, ready_rt1, par, KV, rows1, None, K_r1, K_t1, b_i, t)
                     refill(free_rt0, ready_rt0, par, KV, rows0, None, K_r0, K_t0, b_i, t)
                     if 2 * i + 1 < NB:
                         refill(free_l1, ready_l1, par, KV, rows1, K_l1, None, None, b_i, t)
+                stamp(Lse, b_i, s_i, h0, t0, 15, t == 0)
 
     return sparse_fwd_ws
