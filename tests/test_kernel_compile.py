@@ -248,6 +248,31 @@ def test_named_barriers_belong_to_one_role(kernel):
             assert not r & other, roles
 
 
+@pytest.mark.parametrize("kernel", ["fwd64", "main64_exact", "main64_atomic_fused"])
+def test_head_tiles_come_by_tma(kernel):
+    """The 64-head kernels load their query tile (and the backward its dO tile) by TMA, with the
+    transaction bytes of the whole tile expected on the one barrier every thread then waits for,
+    and no ``cp.async`` of those tiles: issued as 4,608 16-byte ``cp.async`` by 384 threads, the
+    forward's tile took 3.4 us of a 61 us CTA just to issue (run 110's timeline; TMA: -4 to -5%
+    at ``ref``, -13% at ``fleet``).  The bytes expected must add up to the tile, or the barrier
+    would release early (a short count) or never (a long one)."""
+    import re
+
+    from paddlefleet.tilelang_ops.attn.kernels import main_args
+
+    name, args = {"fwd64": ("fwd", (64, 576, 512)), "main64_exact": MAIN64,
+                  "main64_atomic_fused": ("bwd_main", main_args(64, "atomic", True, fused=True))
+                  }[kernel]
+    src = _lower(name, args).kernel_source
+    tiles = ("Q",) if name == "fwd" else ("Q", "dO")
+    for t in tiles:
+        assert f"tma_load({t}_desc, q_ready[0]" in src, t
+    expected = sum(int(n) for n in re.findall(r"q_ready\[0\]\.expect_transaction\((\d+)\)", src))
+    assert expected == 64 * (576 + (512 if name != "fwd" else 0)) * 2, expected
+    # the tiles' cp.async path (async_copy.load_head_tile) is gone: no 16-byte piece of them
+    assert not re.search(r"cp_async_gs<16>\([^;]*\(&\((Q|dO)\[", src)
+
+
 @pytest.mark.parametrize("regs", [160, 220, 248])
 def test_forward_consumer_regs_outside_the_register_file_are_refused(regs):
     """``consumer_regs`` below 168 (the launch's share) or above 240 (a producer below 24) or off
