@@ -122,6 +122,27 @@ def test_bf16_layout_ops(fw, rng):
     np.testing.assert_array_equal(fw.f32(back), a16)
 
 
+def test_contiguous_realigns_a_view_that_starts_mid_allocation(fw, rng):
+    """``contiguous`` also puts the first element on a 16-byte boundary: ``x[1:]`` of a bf16
+    tensor is contiguous, 2 bytes off, and the GPU kernels' 16-byte ``cp.async`` and TMA loads of
+    it would fault or be refused.  An aligned contiguous tensor comes back as itself."""
+    from paddlefleet.tilelang_ops.attn.adapter import ALIGN
+
+    a = rng.standard_normal(4 * 2 * 64 + 1).astype(np.float32)
+    x = fw.bf16(a)
+    ops = ops_for(x)
+    view = ops.reshape(x[1:], (4, 2, 64))
+    assert ops.is_contiguous(view) and view.data_ptr() % ALIGN == 2
+    c = ops.contiguous(view)
+    assert c.data_ptr() % ALIGN == 0 and ops.shape(c) == (4, 2, 64) and ops.is_contiguous(c)
+    np.testing.assert_array_equal(fw.f32(c), fw.f32(x)[1:].reshape(4, 2, 64))
+    assert ops.contiguous(c) is c
+    # a strided view: a dense copy, aligned too
+    t = ops.contiguous(view[:, :, ::2])
+    assert ops.is_contiguous(t) and t.data_ptr() % ALIGN == 0
+    np.testing.assert_array_equal(fw.f32(t), fw.f32(x)[1:].reshape(4, 2, 64)[:, :, ::2])
+
+
 def test_logaddexp(fw, rng):
     a, b = rng.standard_normal((3, 4)) * 5, rng.standard_normal(4) * 5
     ops = ops_for(fw.t(a))

@@ -20,6 +20,9 @@ from typing import Any, Sequence
 
 __all__ = ["TensorOps", "ops_for", "is_tensor", "framework_of", "type_name"]
 
+#: bytes: where :meth:`TensorOps.contiguous` puts a tensor's first element (16-byte copies, TMA)
+ALIGN = 16
+
 
 def framework_of(t: Any) -> str | None:
     """``"paddle"``, ``"torch"`` or ``None`` for anything else (no import is triggered)."""
@@ -79,7 +82,11 @@ class TensorOps:
 
     # --- layout ---------------------------------------------------------------------------
     def concat(self, ts: Sequence, axis: int): ...
-    def contiguous(self, t): ...
+    def contiguous(self, t):
+        """``t`` in row-major order with its first element on a 16-byte boundary; a copy where it
+        is not.  The GPU kernels read bf16 tiles with 16-byte ``cp.async`` and TMA, which need
+        both; a view that starts inside an allocation (``x[1:]``) can be contiguous and not
+        aligned (a ``misaligned address`` fault, or a TMA descriptor the driver refuses)."""
     def cast(self, t, dtype: str): ...
     def reshape(self, t, shape: Sequence[int]): ...
 
@@ -180,7 +187,9 @@ class _PaddleOps(TensorOps):
         return self.p.concat(list(ts), axis=axis)
 
     def contiguous(self, t):
-        return t if t.is_contiguous() else t.contiguous()
+        if not t.is_contiguous():
+            return t.contiguous()
+        return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
     def cast(self, t, dtype):
         return t if self.dtype(t) == dtype else t.astype(self._dt(dtype))
@@ -336,7 +345,8 @@ class _TorchOps(TensorOps):
         return self.t.cat(list(ts), dim=axis)
 
     def contiguous(self, t):
-        return t.contiguous()
+        t = t.contiguous()
+        return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
     def cast(self, t, dtype):
         return t.to(self._dt(dtype))
