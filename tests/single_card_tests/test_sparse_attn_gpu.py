@@ -995,8 +995,8 @@ def test_misaligned_contiguous_inputs():
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[2], got[2])
         if det:
             assert torch.equal(ref[1], got[1])
-        else:
-            assert rel_l2(got[1].float(), ref[1].float()) < 1e-5
+        else:  # the atomic dKV's run-to-run spread: ~3e-5 (run 111), 2.3e-5 here (run 113)
+            assert rel_l2(got[1].float(), ref[1].float()) < 1e-4
 
 
 def _digest(*ts):
