@@ -253,8 +253,8 @@ def test_head_tiles_come_by_tma(kernel):
     """The 64-head kernels load their query tile (and the backward its dO tile) by TMA, with the
     transaction bytes of the whole tile expected on the one barrier every thread then waits for,
     and no ``cp.async`` of those tiles: issued as 4,608 16-byte ``cp.async`` by 384 threads, the
-    forward's tile took 3.4 us of a 61 us CTA just to issue (run 110's timeline; TMA: -4 to -5%
-    at ``ref``, -13% at ``fleet``).  The bytes expected must add up to the tile, or the barrier
+    forward's tile took 3.4 us of a 61 us CTA just to issue (runs 108-109's timelines; TMA, run
+    110: -4 to -5% at ``ref``, -13% at ``fleet``).  The bytes expected must add up to the tile, or the barrier
     would release early (a short count) or never (a long one)."""
     import re
 

@@ -2,8 +2,8 @@
 shared memory, issued by the calling threads; the caller commits them to an mbarrier
 (``T.cp_async_barrier_noinc``).  The key blocks (``load_key_rows``, ``gather_key_block``) come
 this way in the forward's producer.  The query (and dO) tile (``load_head_tile``) came this way
-too; the 64-head kernels now load it by TMA (``tma_q`` / ``tma_tiles``; run 110: 384 threads
-took 3.4 us to issue the query tile's 4,608 pieces), and keep this path as a trial knob.
+too; the 64-head kernels now load it by TMA (``tma_q`` / ``tma_tiles``; runs 108-109: 384
+threads took 3.4 us to issue the query tile's 4,608 pieces), and keep this path as a trial knob.
 
 Why by hand: a ``T.copy`` by a thread count that does not divide the tile lowered to two-byte
 loads (~65 us per CTA in the forward, run 24 of docs/performance.md), and the gather's rows come

@@ -329,8 +329,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     ``pred_red`` adds each piece with a predicated ``red`` instead of one behind a branch
     (:data:`RED_V4_SRC`; defaults by mode: :func:`two_warpgroup_schedule`), ``tma_tiles``
     (default ``True``) loads the Q and dO tiles by TMA instead of ``cp.async`` (run 111:
-    atomic -1 to -4% at ``ref``, -4% at ``fleet``; deterministic -2 to -3% at ``fleet``, even at
-    ``ref``); ``row_extent``
+    atomic -1 to -4% at ``ref``, -4% at ``fleet``, +2.4% in one ``h128`` pair; deterministic -2
+    to -3% at ``fleet``, even at ``ref`` and ``h128``); ``row_extent``
     (default) makes it walk a row only up to the block that holds its last slot with a key,
     rows last-first (``row_blocks``; ``False``: every block, a trial knob).
     ``threads``, ``num_stages``, ``dkv_chunk``: ``None`` is 256, 1, 128.

@@ -263,9 +263,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
     not at the end of its own: a wgmma in flight across the loop's back edge made ptxas
     serialise every wgmma of the kernel (its warning C7514).  The
     query tile comes by TMA, nine boxes from one elected thread (``tma_q``): issued by 384 threads
-    as 16-byte ``cp.async``, the CTA took 3.4 us just to issue them and its first softmax came
-    7.2 us after it began, against 0.44 and 4.4 us by TMA (run 110's timeline); -4 to -5% at
-    ``ref`` and ``h128``, -13% at ``fleet`` (run 110).  With ``row_extent`` every
+    as 16-byte ``cp.async``, the CTA took 3.4 us just to issue them and its first pair of
+    softmaxes ended 7.2 us after it began (runs 108-109's timelines), against 0.44 and 4.4 us by
+    TMA (run 110's); -4 to -5% at ``ref`` and ``h128``, -13% at ``fleet`` (run 110).  With
+    ``row_extent`` every
     role walks the row's blocks only up to the one holding its last slot with a key (the blocks
     after it add nothing), and the rows go last-first (``row_blocks``).
     """
