@@ -3,9 +3,10 @@
 ``mqa_latent_sparse_fwd`` and ``mqa_latent_sparse_bwd`` take Paddle or PyTorch CUDA tensors and
 return tensors of the same framework.  Each one: checks the inputs once
 (``checks.check_tensors``, ``checks.check_values``), picks the head plan (``tiling.head_plan``),
-makes inputs contiguous, zero-pads the head axis to the plan's ``H_pad`` and the top-k axis to a
-multiple of the key block (with ``-1``), launches the kernels through a *provider* and slices
-the pad heads off.  The op (``op.py``) checks with the same rules once and then calls the
+makes inputs contiguous and 16-byte aligned (a copy where they are not:
+``adapter.TensorOps.contiguous``), zero-pads the head axis to the plan's ``H_pad`` and the top-k
+axis to a multiple of the key block (with ``-1``), launches the kernels through a *provider* and
+slices the pad heads off.  The op (``op.py``) checks with the same rules once and then calls the
 unchecked bodies ``_fwd`` / ``_bwd``.  The math is
 ``docs/conventions.md``; the exact definition is ``attn/reference.py``.
 
