@@ -467,6 +467,9 @@ def test_bad_inputs_raise_naming_theto_tensor(fw):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=48, provider=prov)
     with pytest.raises(TypeError, match="block_h"):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM, block_h=16.0, provider=prov)
+    # d_v=None named `out` (the forward took itself for a backward), now d_v
+    with pytest.raises(TypeError, match="^d_v: expected a Python int"):
+        interface.mqa_latent_sparse_fwd(q, kv, idx, SM, d_v=None, provider=prov)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     with pytest.raises(ValueError, match="lse_format"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, lse_format="log2",

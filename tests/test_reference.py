@@ -302,6 +302,31 @@ def test_minus_one_slots_never_touch_row_zero(fw, rng):
     assert np.abs(fw.np(dkv)[0, 1]).sum() > 0
 
 
+@pytest.mark.parametrize("poison", ["kv_row0_inf", "padding_row_grad_out_nan"])
+def test_minus_one_slots_add_nothing_beside_non_finite_values(fw, rng, poison):
+    """A -1 slot is gathered as row 0 but adds exactly nothing, not ``0 * x`` (NaN when ``x`` is
+    not finite).  An inf in key row 0, which no row selects: every result bitwise as with row 0
+    finite (before the fix: NaN out and dq in every row with a -1 slot).  A NaN in the grad_out
+    of a row whose every slot is -1: dkv bitwise as before (no row selects key 0; before the fix
+    dkv[0] was NaN) and every other row's dq too."""
+    c = make_case(rng, 1, 3, True)
+    c["idx"][c["idx"] == 0] = 1
+    base = [fw.np(t) for t in run_ref(fw, c)]
+    if poison == "kv_row0_inf":
+        c["kv"][0, 0, :] = np.inf
+    else:
+        assert (c["idx"][0, 2] == -1).all()
+        c["grad_out"][0, 2] = np.nan
+    out, lse, dq, dkv, dsink = (fw.np(t) for t in run_ref(fw, c))
+    np.testing.assert_array_equal(dkv, base[3])
+    np.testing.assert_array_equal(np.delete(dq, 2, axis=1), np.delete(base[2], 2, axis=1))
+    if poison == "kv_row0_inf":
+        for got, want in zip((out, lse, dq, dsink), (base[0], base[1], base[2], base[4])):
+            np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_array_equal(dq[:, 2], 0.0)  # no key: dS is 0, not 0 * NaN
+
+
 def test_chunking_does_not_change_results(fw, rng, monkeypatch):
     c = make_case(rng, 2, 3, True)
     whole = run_ref(fw, c)

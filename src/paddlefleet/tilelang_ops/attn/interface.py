@@ -471,6 +471,8 @@ def mqa_latent_sparse_fwd(
             range, ``block_h`` other than 16/32, ``sm_scale <= 0``.
     """
     provider = provider or _DEFAULT_PROVIDER
+    if d_v is None:  # (None would make _check_inputs take this for a backward and ask for out)
+        raise TypeError("d_v: expected a Python int (the value width Dv), got None")
     dims, sm_scale, values = _check_inputs(query, kv, token_indices, sm_scale, attn_sink,
                                            check_indices, provider, d_v=d_v, defer=True)
     return _fwd(provider, dims, query, kv, token_indices, sm_scale, attn_sink, block_h, values)

@@ -74,12 +74,14 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     ``P`` at logits ~3e5 in fp32; ``docs/conventions.md``, "Range").
     """
     valid = idx_c >= 0
-    # -1 is never dereferenced: gather row 0 instead and mask its score to -inf.
+    # -1 is never dereferenced: gather row 0 instead, zero it (so that a non-finite value in
+    # row 0 cannot reach a -1 slot's 0 * x) and mask its score to -inf.
     safe = ops.where(valid, idx_c, ops.zeros(ops.shape(idx_c), ops.dtype(idx_c), idx_c))
-    kv_g = ops.gather_rows(kv_c, safe)
-    dt = ops.dtype(q_c)
-    scores = ops.einsum("bshd,bsld->bshl", q_c, kv_g) * sm_scale
     B, c, L = ops.shape(idx_c)
+    dt = ops.dtype(q_c)
+    kv_g = ops.where(ops.reshape(valid, (B, c, L, 1)), ops.gather_rows(kv_c, safe),
+                     ops.zeros((1,), dt, q_c))
+    scores = ops.einsum("bshd,bsld->bshl", q_c, kv_g) * sm_scale
     H = dims.H
     valid4 = ops.reshape(valid, (B, c, 1, L))
     neg_inf = ops.full((1,), _NEG_INF, dt, q_c)
@@ -246,15 +248,22 @@ def _bwd(dims, query, kv, grad_out, attn_sink, token_indices, sm_scale, dtype):
         out_c = ops.einsum("bshl,bsld->bshd", P, v_g)
         delta = ops.sum(out_c * do_c, axis=-1)  # [B, c, H]
         dP = ops.einsum("bshd,bsld->bshl", do_c, v_g)
-        dS = P * (dP - ops.reshape(delta, (B, c, H, 1)))
+        valid = idx_c >= 0
+        zero = ops.zeros((1,), dtype, kv_c)
+        # 0 on -1 slots, not P * (...) = 0 * x: a NaN in a padding row's grad_out must not reach
+        # dq's or dkv's -1 terms
+        dS = ops.where(ops.reshape(valid, (B, c, 1, dims.L)),
+                       P * (dP - ops.reshape(delta, (B, c, H, 1))), zero)
         dq[:, s0:s1] = ops.einsum("bshl,bsld->bshd", dS, kv_g) * sm_scale
         term_qk = ops.einsum("bshl,bshd->bsld", dS, q_c) * sm_scale  # [B, c, L, Dk]
         term_v = ops.einsum("bshl,bshd->bsld", P, do_c)  # [B, c, L, Dv]
         if Dv < Dk:
             pad = ops.zeros((B, c, dims.L, Dk - Dv), dtype, term_v)
             term_v = ops.concat([term_v, pad], axis=-1)
-        # -1 slots have P = dS = 0 exactly, so adding their (zero) terms at row 0 is harmless.
-        dkv = ops.scatter_add_rows(dkv, safe, term_qk + term_v)
+        # -1 slots add exactly 0 at row 0 (their terms zeroed, not 0 * x, which a NaN in a
+        # padding row's query or grad_out would make NaN)
+        terms = ops.where(ops.reshape(valid, (B, c, dims.L, 1)), term_qk + term_v, zero)
+        dkv = ops.scatter_add_rows(dkv, safe, terms)
         if sink_c is not None:
             d_sink = d_sink - ops.sum(ops.reshape(p_sink * delta, (B * c, H)), axis=0)
     return dq, dkv, d_sink
