@@ -51,11 +51,12 @@ _REF_AUX = ("float32", "float64")
 def _chunk_rows(dims, dtype: str, backward: bool) -> int:
     """Query rows per chunk so that one chunk's intermediates fit in ``_CHUNK_BYTES``."""
     itemsize = 8 if dtype == "float64" else 4
-    # Per query row: the gathered keys [L, Dk], scores/probabilities [H, L] (a few of them) and,
-    # in backward, the per-slot dKV terms [L, Dk] and [L, Dv] before the scatter.
-    per_row = dims.L * dims.Dk + 4 * dims.H * dims.L + dims.H * (dims.Dk + dims.Dv)
+    # Per query row: the gathered keys [L, Dk] (twice: the gather and its -1 rows zeroed),
+    # scores/probabilities [H, L] (a few of them) and, in backward, the per-slot dKV terms
+    # [L, Dk] and [L, Dv], their sum and its -1 rows zeroed, before the scatter.
+    per_row = 2 * dims.L * dims.Dk + 4 * dims.H * dims.L + dims.H * (dims.Dk + dims.Dv)
     if backward:
-        per_row += dims.L * (2 * dims.Dk + dims.Dv) + 3 * dims.H * dims.L
+        per_row += dims.L * (3 * dims.Dk + dims.Dv) + 3 * dims.H * dims.L
     per_row *= dims.B * itemsize
     return max(1, min(dims.S, _CHUNK_BYTES // per_row))
 
