@@ -273,6 +273,27 @@ def test_head_tiles_come_by_tma(kernel):
     assert not re.search(r"cp_async_gs<16>\([^;]*\(&\((Q|dO)\[", src)
 
 
+def test_timeline_diagnostics_stay_out_of_the_shipped_kernels():
+    """The ``timeline`` knobs (tools/experiments/fwd_timeline.py, bwd_timeline.py) stamp SM cycles
+    into ``Lse`` (forward) or ``DSink`` (the fused backward); off, the kernels read no clock.
+    The backward's needs ``DSink``, so the unfused (exact) kernel refuses it."""
+    from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS, main_args, sparse_bwd
+
+    fwd = _lower("fwd", (64, 576, 512)).kernel_source
+    fwd_t = _lower("fwd", (64, 576, 512, 64, 256, 1, None, True, 224, True)).kernel_source
+    assert "clock64" not in fwd and "pf_smid" not in fwd
+    assert fwd_t.count("clock64()") >= 17 and "pf_smid()" in fwd_t
+    args = main_args(64, "atomic", True, fused=True)
+    knobs = slice(6, 6 + len(MAIN_KNOB_DEFAULTS))
+    assert args[knobs][-1] is None  # timeline: the last knob, off
+    bwd = _lower("bwd_main", args).kernel_source
+    bwd_t = _lower("bwd_main", args[:knobs.stop - 1] + (True,) + args[knobs.stop:]).kernel_source
+    assert "clock64" not in bwd
+    assert bwd_t.count("clock64()") >= 14 and "DSink[" in bwd_t
+    with pytest.raises(AssertionError, match="timeline"):
+        sparse_bwd._two_warpgroups(64, 576, 512, "exact", fused=False, timeline=True)
+
+
 @pytest.mark.parametrize("regs", [160, 220, 248])
 def test_forward_consumer_regs_outside_the_register_file_are_refused(regs):
     """``consumer_regs`` below 168 (the launch's share) or above 240 (a producer below 24) or off

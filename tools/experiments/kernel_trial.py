@@ -13,8 +13,8 @@ printed lines go into docs/performance.md.
 threads, num_stages, warp_specialized, row_extent, consumer_regs, timeline, tma_q);
 ``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
 (ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right, row_extent, row_lanes, pred_red, tma_tiles; ``None`` is the
-kernel's default for the knobs whose default is ``None`` (``tma_tiles``: on), by mode for
+wg0_chunks, overlap, w1_right, row_extent, row_lanes, pred_red, tma_tiles, timeline; ``None``
+is the kernel's default for the knobs whose default is ``None`` (``tma_tiles``: on), by mode for
 wg0_chunks, overlap, row_lanes and pred_red
 (``sparse_bwd.two_warpgroup_schedule``): give ``row_extent`` (default ``True``) and
 ``consumer_regs`` (224) as values, ``None`` there means ``False`` / fails; ``...,False`` gives

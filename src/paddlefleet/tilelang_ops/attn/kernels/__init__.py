@@ -44,9 +44,10 @@ def builders() -> dict:
 
 
 #: ``sparse_bwd.main``'s schedule knobs between the key block and ``fused`` (threads ...
-#: w1_right, row_extent, row_lanes, pred_red, tma_tiles), all at the kernel's defaults
+#: w1_right, row_extent, row_lanes, pred_red, tma_tiles, timeline), all at the kernel's defaults
 #: (``None``, ``row_extent=True``)
-MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, None, None, True, None, None, None)
+MAIN_KNOB_DEFAULTS = (None, None, None, None, None, None, None, None, True, None, None, None,
+                      None)
 #: Head tiles whose atomic first pass can do the preprocess's work in its prologue
 #: (``sparse_bwd._two_warpgroups``, ``fused``): the providers' ``fused_preprocess_tiles``.
 FUSED_TILES = (64,)

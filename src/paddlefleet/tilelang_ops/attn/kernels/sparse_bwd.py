@@ -273,7 +273,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
          warp_specialized: bool | None = None, wg0_chunks: int | None = None,
          overlap: bool | None = None, w1_right: bool | None = None, row_extent: bool = True,
          row_lanes: int | None = None, pred_red: bool | None = None,
-         tma_tiles: bool | None = None, fused: bool = False, natural: bool = True):
+         tma_tiles: bool | None = None, timeline: bool | None = None, fused: bool = False,
+         natural: bool = True):
     """Build the main backward kernel for one head tile and one dKV accumulation mode.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
@@ -330,7 +331,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     (:data:`RED_V4_SRC`; defaults by mode: :func:`two_warpgroup_schedule`), ``tma_tiles``
     (default ``True``) loads the Q and dO tiles by TMA instead of ``cp.async`` (run 111:
     atomic -1 to -4% at ``ref``, -4% at ``fleet``, +2.4% in one ``h128`` pair; deterministic -2
-    to -3% at ``fleet``, even at ``ref`` and ``h128``); ``row_extent``
+    to -3% at ``fleet``, even at ``ref`` and ``h128``), ``timeline`` (a diagnostic, the fused
+    kernel only) writes SM-cycle stamps of the CTA's stages into ``DSink`` instead of its terms
+    (``tools/experiments/bwd_timeline.py``); ``row_extent``
     (default) makes it walk a row only up to the block that holds its last slot with a key,
     rows last-first (``row_blocks``; ``False``: every block, a trial knob).
     ``threads``, ``num_stages``, ``dkv_chunk``: ``None`` is 256, 1, 128.
@@ -350,7 +353,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, mode: str, with_dq: bool = Tru
     if warp_specialized and with_dq:
         return _two_warpgroups(heads_per_cta, d_qk, d_v, mode, wg0_chunks, overlap, w1_right,
                                row_extent, row_lanes, pred_red, fused, natural,
-                               tma_tiles is None or bool(tma_tiles))
+                               tma_tiles is None or bool(tma_tiles), bool(timeline))
     assert not fused, "the fused preprocess is built into the two-warpgroup kernel only"
     threads = 256 if threads is None else threads
     num_stages = 1 if num_stages is None else num_stages
@@ -605,7 +608,8 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     wg0_chunks: int | None = None, overlap: bool | None = None,
                     w1_right: bool | None = None, row_extent: bool = True,
                     row_lanes: int | None = None, pred_red: bool | None = None,
-                    fused: bool = False, natural: bool = True, tma_tiles: bool = True):
+                    fused: bool = False, natural: bool = True, tma_tiles: bool = True,
+                    timeline: bool = False):
     """The 64-head main backward on 64-key blocks, two warpgroups (256 threads), dKV added
     straight from the accumulator registers; same arguments and results as :func:`main` with
     ``with_dq=True`` (the exact re-run, which has no dQ, keeps the one-role kernel).
@@ -973,6 +977,15 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 rows_s[1, h] = 0.0
         T.sync_threads()  # rows_s: written by every warp, read by warpgroup 0
 
+    assert fused or not timeline, "timeline writes its stamps into DSink: the fused kernel only"
+
+    @T.macro
+    def stamp(DSink, b_i, s_i, h0, t0, e, cond):
+        # (timeline, a diagnostic) SM cycles since the CTA began, into DSink slot e of its row
+        if timeline:
+            if cond:
+                DSink[b_i, s_i, h0 + e] = T.Cast(acc_t, T.call_extern("int64", "clock64") - t0[0])
+
     @T.macro
     def body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
              BoundExp, O, Lse, Sink, DSink):
@@ -1032,8 +1045,11 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             u_l = T.alloc_local([2], acc_t)
             ext_v, ext_last, ext_warps, nb = alloc_scratch(2 * WG)
 
+            t0 = T.alloc_local([1], "int64")
             tx = T.get_thread_binding()
             h0 = g_i * M
+            if timeline:
+                t0[0] = T.call_extern("int64", "clock64")
             if tx < WG and L // BK > 0:  # block 0's keys (always walked), under the tiles' load
                 gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx)
                 gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx)
@@ -1048,6 +1064,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
                 load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)
                 T.cp_async_barrier_noinc(q_ready[0])
+            stamp(DSink, b_i, s_i, h0, t0, 0, tx == 0)
             if fused:
                 fused_loads(O, Lse, Sink, o_r, lse_r, b_i, s_i, h0, tx)
             if row_extent:
@@ -1055,11 +1072,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             else:
                 nb[0] = L // BK
             NB = nb[0]
+            stamp(DSink, b_i, s_i, h0, t0, 1, tx == 0)
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
+            stamp(DSink, b_i, s_i, h0, t0, 2, tx == 0)
             if fused:
                 fused_rows(dO_l, dO_r, o_r, do_r, lse_r, rows_s, Lse2, Delta, DSink, b_i, s_i, h0,
                            tx)
+            stamp(DSink, b_i, s_i, h0, t0, 3, tx == 0)
 
             if tx < WG:
                 sc[0] = Scale[0] * LOG2E  # raw q.k -> base-2 logit
@@ -1076,11 +1096,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                 if not w1_right:
                     T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
+                    stamp(DSink, b_i, s_i, h0, t0, 16, T.And(tx == 0, k == 8))
+                    stamp(DSink, b_i, s_i, h0, t0, 17, T.And(tx == 0, k == 24))
                     for h, j in T.Parallel(M, BK):
                         acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
                                                      -T.infinity(acc_t))
                     # the left half's GEMMs as soon as it lands, the rest after the right half
                     T.barrier_wait(kl_full[0], k & 1)
+                    stamp(DSink, b_i, s_i, h0, t0, 4, T.And(tx == 0, k == 0))
                     T.fence_proxy_async()  # cp.async wrote through the generic proxy
                     T.wgmma_gemm(Q_l, K_l, acc_p, transpose_B=True)
                     T.wgmma_gemm(dO_l, K_l, acc_dp, transpose_B=True, clear_accum=True)
@@ -1098,6 +1121,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     T.copy(acc_dp, dS_s)
                     T.fence_proxy_async()  # read by wgmma (both warpgroups)
                     T.barrier_arrive(pds_full[0])
+                    stamp(DSink, b_i, s_i, h0, t0, 5, T.And(tx == 0, k == 0))
                     if w1_right:
                         T.gemm(dS_s, K_l, acc_dq_l)
                     else:
@@ -1126,9 +1150,11 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                                 for i in T.unroll(2):
                                     u_w0[k % 2, slot_row(tx) + 8 * i] = u_l[i]
                             T.barrier_arrive(u_ready[0])
+                stamp(DSink, b_i, s_i, h0, t0, 6, tx == 0)
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
                 if not w1_right:
                     T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+                stamp(DSink, b_i, s_i, h0, t0, 7, tx == 0)
             else:
                 t = tx - WG
                 T.fill(acc_dq_r, 0)
@@ -1136,6 +1162,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                     T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
                     T.barrier_wait(pds_full[0], k & 1)
+                    stamp(DSink, b_i, s_i, h0, t0, 8, T.And(tx == WG, k == 0))
                     # the keys came by cp.async (generic proxy) and P / dS were fenced by
                     # their writer; both are read by wgmma
                     T.fence_proxy_async()
@@ -1177,9 +1204,11 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
                             for i in T.unroll(2):
                                 u_l[i] = T.max(u_l[i], u_w0[k % 2, slot_row(t) + 8 * i])
                         add_slot_bound(u_l, slot, Bound, BoundExp, b_i, t)
+                stamp(DSink, b_i, s_i, h0, t0, 9, tx == WG)
                 T.copy(acc_dq_r, dQ[b_i, s_i, h0:h0 + M, DH:D])
                 if w1_right:
                     T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+                stamp(DSink, b_i, s_i, h0, t0, 10, tx == WG)
 
     if not fused:
         @T.prim_func
