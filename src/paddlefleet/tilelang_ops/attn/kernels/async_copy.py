@@ -15,7 +15,7 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["load_head_tile", "gather_key_block", "load_key_rows"]
+__all__ = ["load_head_tile", "tma_head_tile", "gather_key_block", "load_key_rows"]
 
 
 @T.macro
@@ -47,6 +47,19 @@ def load_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, tx, nthreads):
             else:
                 T.ptx_cp_async(T.access_ptr(dst_t[h, col - 2 * DH], "w", 8),
                                T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+
+
+@T.macro
+def tma_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, barrier):
+    """The tile of :func:`load_head_tile` by TMA (one elected thread issues the boxes), its bytes
+    expected on ``barrier``.  The expect is no arrive: after the last tile every calling thread
+    arrives on ``barrier`` (its arrive count), so the phase cannot end before the elected
+    thread's expect (its own arrive comes after it)."""
+    M, DH = dst_l.shape
+    T.tma_copy(src[b_i, s_i, h0:h0 + M, :DH], dst_l, barrier=barrier[0])
+    T.tma_copy(src[b_i, s_i, h0:h0 + M, DH:2 * DH], dst_r, barrier=barrier[0])
+    if dst_t is not None:
+        T.tma_copy(src[b_i, s_i, h0:h0 + M, 2 * DH:], dst_t, barrier=barrier[0])
 
 
 @T.macro

@@ -39,8 +39,9 @@ value in the one-element tensor ``Scale``.  All kernels compile with ``settings.
 
 from ... import settings
 from ..tiling import INDEX_PAD, dkv_column, dkv_columns_permuted, dkv_source_column
-from .async_copy import load_head_tile
+from .async_copy import load_head_tile, tma_head_tile
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
+from .timeline import stampers
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -978,13 +979,7 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
         T.sync_threads()  # rows_s: written by every warp, read by warpgroup 0
 
     assert fused or not timeline, "timeline writes its stamps into DSink: the fused kernel only"
-
-    @T.macro
-    def stamp(DSink, b_i, s_i, h0, t0, e, cond):
-        # (timeline, a diagnostic) SM cycles since the CTA began, into DSink slot e of its row
-        if timeline:
-            if cond:
-                DSink[b_i, s_i, h0 + e] = T.Cast(acc_t, T.call_extern("int64", "clock64") - t0[0])
+    start, stamp, _ = stampers(timeline)  # (timeline, a diagnostic) the stamps into DSink
 
     @T.macro
     def body(Q, KV, dO, Indices, Lse2, Delta, Scale, InvGrid, Counts, dQ, dKV_acc, Bound,
@@ -1048,18 +1043,14 @@ def _two_warpgroups(heads_per_cta: int, d_qk: int, d_v: int, mode: str,
             t0 = T.alloc_local([1], "int64")
             tx = T.get_thread_binding()
             h0 = g_i * M
-            if timeline:
-                t0[0] = T.call_extern("int64", "clock64")
+            start(t0)
             if tx < WG and L // BK > 0:  # block 0's keys (always walked), under the tiles' load
                 gather_left(KV, Indices, K_l, kl_full, b_i, s_i, 0, tx)
                 gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, 0, tx)
             if tma_tiles:
-                T.tma_copy(Q[b_i, s_i, h0:h0 + M, :DH], Q_l, barrier=q_ready[0])
-                T.tma_copy(Q[b_i, s_i, h0:h0 + M, DH:2 * DH], Q_r, barrier=q_ready[0])
-                T.tma_copy(Q[b_i, s_i, h0:h0 + M, 2 * DH:], Q_t, barrier=q_ready[0])
-                T.tma_copy(dO[b_i, s_i, h0:h0 + M, :DH], dO_l, barrier=q_ready[0])
-                T.tma_copy(dO[b_i, s_i, h0:h0 + M, DH:], dO_r, barrier=q_ready[0])
-                T.barrier_arrive(q_ready[0])
+                tma_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, q_ready)
+                tma_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, q_ready)
+                T.barrier_arrive(q_ready[0])  # see tma_head_tile
             else:
                 load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_t, tx, 2 * WG)
                 load_head_tile(dO, b_i, s_i, h0, dO_l, dO_r, None, tx, 2 * WG)

@@ -19,22 +19,14 @@ from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PA
 
 
 from ... import settings
-from .async_copy import gather_key_block, load_head_tile, load_key_rows
+from .async_copy import gather_key_block, load_head_tile, load_key_rows, tma_head_tile
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
+from .timeline import SMID_SRC, stampers
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
 __all__ = ["sparse_fwd"]
-
-#: (the ``timeline`` diagnostic) the SM's id
-TIMELINE_SRC = r"""
-__device__ __forceinline__ int pf_smid() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
-  return (int)r;
-}
-"""
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -306,22 +298,9 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         gather_key_block(KV, rows, K_l, K_r, K_t, b_i, t)
         T.cp_async_barrier_noinc(ready[0])
 
-    @T.macro
-    def stamp(Lse, b_i, s_i, h0, t0, e, cond):
-        # (timeline, a diagnostic) SM cycles since the CTA began, into Lse slot e of its row
-        if timeline:
-            if cond:
-                Lse[b_i, s_i, h0 + e] = T.Cast(acc_t, T.call_extern("int64", "clock64") - t0[0])
-
-    @T.macro
-    def stamp_abs(Lse, b_i, s_i, h0, e, cond):
-        # (timeline) the SM's clock itself, in two exact fp32 slots e, e + 1 (bits 24+, 0-23)
-        if timeline:
-            if cond:
-                Lse[b_i, s_i, h0 + e] = T.Cast(acc_t, T.shift_right(
-                    T.call_extern("int64", "clock64"), T.int64(24)))
-                Lse[b_i, s_i, h0 + e + 1] = T.Cast(acc_t, T.bitwise_and(
-                    T.call_extern("int64", "clock64"), T.int64(0xFFFFFF)))
+    # (timeline, a diagnostic) stamps into Lse: the stages 0-17, the SM's id in 18, its clock
+    # at the CTA's start in 19-20, at warpgroup 0's / 1's end in 21-22 / 23-24
+    start, stamp, stamp_clock = stampers(timeline)
 
     @T.prim_func
     def sparse_fwd_ws(
@@ -334,7 +313,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         Lse: T.Tensor([B, S, H_pad], acc_t),
     ):
         with T.Kernel(S, B, H_pad // M, threads=3 * WG,
-                      prelude=TIMELINE_SRC if timeline else None) as (bx, b_i, g_i):
+                      prelude=SMID_SRC if timeline else None) as (bx, b_i, g_i):
             s_i = last_row_first(bx, S) if row_extent else bx
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
@@ -396,20 +375,14 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             t0 = T.alloc_local([1], "int64")
             tx = T.get_thread_binding()
             h0 = g_i * M
+            start(t0)
+            stamp_clock(Lse, b_i, s_i, h0, t0, 19, tx == 0)
             if timeline:
-                t0[0] = T.call_extern("int64", "clock64")
                 if tx == 0:
                     Lse[b_i, s_i, h0 + 18] = T.Cast(acc_t, T.call_extern("int32", "pf_smid"))
-                    Lse[b_i, s_i, h0 + 19] = T.Cast(acc_t, T.shift_right(t0[0], T.int64(24)))
-                    Lse[b_i, s_i, h0 + 20] = T.Cast(acc_t, T.bitwise_and(t0[0],
-                                                                        T.int64(0xFFFFFF)))
             if tma_q:
-                T.tma_copy(Q[b_i, s_i, h0:h0 + M, :DH], Q_l, barrier=q_ready[0])
-                T.tma_copy(Q[b_i, s_i, h0:h0 + M, DH:2 * DH], Q_r, barrier=q_ready[0])
-                T.tma_copy(Q[b_i, s_i, h0:h0 + M, 2 * DH:], Q_tail, barrier=q_ready[0])
-                # every thread arrives: the phase cannot end before the elected thread's
-                # expect_tx (its own arrive comes after it)
-                T.barrier_arrive(q_ready[0])
+                tma_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, q_ready)
+                T.barrier_arrive(q_ready[0])  # see tma_head_tile
             else:
                 load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
                 T.cp_async_barrier_noinc(q_ready[0])
@@ -499,7 +472,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 if not timeline:
                     T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
                 stamp(Lse, b_i, s_i, h0, t0, 13, tx == 0)
-                stamp_abs(Lse, b_i, s_i, h0, 21, tx == 0)
+                start(t0)  # t0 is not needed after the last stamp: the end's clock
+                stamp_clock(Lse, b_i, s_i, h0, t0, 21, tx == 0)
             elif tx < 2 * WG:
                 T.set_max_nreg(consumer_regs, 1)
                 T.fill(acc_o1, 0)
@@ -552,7 +526,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.copy(acc_o1, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
                 stamp(Lse, b_i, s_i, h0, t0, 14, tx == WG)
-                stamp_abs(Lse, b_i, s_i, h0, 23, tx == WG)
+                start(t0)  # t0 is not needed after the last stamp: the end's clock
+                stamp_clock(Lse, b_i, s_i, h0, t0, 23, tx == WG)
             else:
                 T.set_max_nreg(504 - 2 * consumer_regs, 0)  # the rest of 3 x 168
                 t = tx - 2 * WG
