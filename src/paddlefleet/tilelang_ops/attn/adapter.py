@@ -87,6 +87,12 @@ class TensorOps:
         is not.  The GPU kernels read bf16 tiles with 16-byte ``cp.async`` and TMA, which need
         both; a view that starts inside an allocation (``x[1:]``) can be contiguous and not
         aligned (a ``misaligned address`` fault, or a TMA descriptor the driver refuses)."""
+        t = self._row_major(t)
+        return t if t.data_ptr() % ALIGN == 0 else t.clone()
+
+    def _row_major(self, t):
+        """``t``, or a row-major copy where it is not contiguous."""
+
     def cast(self, t, dtype: str): ...
     def reshape(self, t, shape: Sequence[int]): ...
 
@@ -186,10 +192,8 @@ class _PaddleOps(TensorOps):
     def concat(self, ts, axis):
         return self.p.concat(list(ts), axis=axis)
 
-    def contiguous(self, t):
-        if not t.is_contiguous():
-            return t.contiguous()
-        return t if t.data_ptr() % ALIGN == 0 else t.clone()
+    def _row_major(self, t):
+        return t if t.is_contiguous() else t.contiguous()
 
     def cast(self, t, dtype):
         return t if self.dtype(t) == dtype else t.astype(self._dt(dtype))
@@ -344,9 +348,8 @@ class _TorchOps(TensorOps):
     def concat(self, ts, axis):
         return self.t.cat(list(ts), dim=axis)
 
-    def contiguous(self, t):
-        t = t.contiguous()
-        return t if t.data_ptr() % ALIGN == 0 else t.clone()
+    def _row_major(self, t):
+        return t.contiguous()
 
     def cast(self, t, dtype):
         return t.to(self._dt(dtype))
