@@ -46,11 +46,12 @@ class FleetConfig:
     intermediate_size: int = 512
 
 
-class RMSNorm(paddle.nn.Layer):  # Paddle 3.3.1 has no nn.RMSNorm (F.rms_norm is CUDA only)
+class RMSNorm(paddle.nn.Layer):  # Paddle 3.3.1: no nn.RMSNorm; F.rms_norm has no CPU kernel
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = self.create_parameter([size], default_initializer=paddle.nn.initializer.Constant(1.0))
+        self.weight = self.create_parameter(
+            [size], default_initializer=paddle.nn.initializer.Constant(1.0))
 
     def forward(self, x):
         return x * paddle.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight

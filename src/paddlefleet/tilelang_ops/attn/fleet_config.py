@@ -13,7 +13,7 @@ PaddleFleet field                                       ``MQALatentAttentionConf
 ``hidden_size``                                         ``hidden_size``
 ``num_attention_heads``, ``q_lora_rank``,               the same names; each ``hybrid_mla_<name>``,
 ``kv_lora_rank``, ``qk_nope_head_dim``,                 when set (not ``None``), wins, as in
-``qk_rope_head_dim``, ``v_head_dim``                    PaddleFleet's DeepSeek-V4 hybrid ``-2`` layers
+``qk_rope_head_dim``, ``v_head_dim``                    the DeepSeek-V4 hybrid's ``-2`` layers
 ``dsa_index_topk``                                      ``index_topk``
 ``softmax_scale``; else ``rotary_scaling_factor``,      ``softmax_scale`` (rule below)
 ``mscale_all_dim``, the head dims
