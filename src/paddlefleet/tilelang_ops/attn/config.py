@@ -241,6 +241,14 @@ class MQALatentAttentionConfig:
         ``ValueError`` naming it, as in :meth:`from_dict`)."""
         return type(self).from_dict({**self.to_dict(), **changes})
 
+    @classmethod
+    def from_fleet_config(cls, config, **overrides) -> "MQALatentAttentionConfig":
+        """From a PaddleFleet ``TransformerConfig`` (or any object with its field names), fields
+        overridable; the field mapping and its errors: :mod:`.fleet_config`."""
+        from .fleet_config import from_fleet_config
+
+        return from_fleet_config(config, cls=cls, **overrides)
+
 
 #: Deprecated (until the next release): the config's former name.
 MLAAttentionConfig = MQALatentAttentionConfig

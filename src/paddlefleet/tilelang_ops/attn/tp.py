@@ -78,10 +78,27 @@ def group_world_size(group=None) -> int:
 
 
 def group_rank(group=None) -> int:
-    """This process's rank inside ``group`` (``None``: the world; 0 when not initialised)."""
-    if group is not None:
-        return int(group.rank)
-    return int(dist.get_rank()) if _dist_ready() else 0
+    """This process's rank inside ``group`` (``None``: the world; 0 when not initialised).
+
+    Raises:
+        ValueError: this process is not a member of ``group`` (Paddle reports rank -1).
+    """
+    if group is None:
+        return int(dist.get_rank()) if _dist_ready() else 0
+    rank = int(group.rank)
+    if rank < 0 and int(group.nranks) == 1:
+        # Paddle 3.3.1 gives a group of one rank no process group of its own and reports
+        # rank -1 even to its member: fleet's mp group at mp_degree 1, every dp group of a pure
+        # mp run.  Such a group's only member is rank 0 of it.
+        me = int(dist.get_rank()) if _dist_ready() else 0
+        if me in list(group.ranks):
+            return 0
+    if rank < 0:
+        raise ValueError(
+            f"group: this process (global rank {dist.get_rank()}) is not a member of the "
+            f"tensor-parallel group (ranks {list(group.ranks)})"
+        )
+    return rank
 
 
 def _all_reduce_sum(x, group):
