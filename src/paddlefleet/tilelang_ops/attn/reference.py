@@ -136,7 +136,9 @@ def mqa_latent_sparse_fwd_ref(
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` for an empty slot, else in
             ``[0, S_kv)``.
         sm_scale: multiplies ``q.k`` only (not the sink); finite and ``> 0``, also in float32
-            (:func:`checks.check_sm_scale`).
+            (:func:`checks.check_sm_scale`).  Applied to the query before the dot product, so
+            a raw ``q.k`` beyond the dtype's range does not overflow where the logits are
+            finite (``docs/conventions.md``, "Range of logits handled exactly").
         attn_sink: ``[H]`` float32/float64 sink logits (raw, not scaled), or ``None``; finite
             or ``-inf`` (that head has no sink), never NaN or ``+inf``.
         d_v: value width ``Dv``, ``1 <= d_v <= Dk``.
