@@ -770,7 +770,9 @@ def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
 def test_trial_repeats_of_a_shape_take_the_providers_the_other_way(monkeypatch):
     """``kernel_trial --shapes ref,h128,ref,h128``: a provider timed right after another
     inherits the GPU's clock state from it, so every repeat of a shape reverses its previous
-    order (a flip by position alone kept both shapes' order here, found by a review)."""
+    order (a flip by position alone kept both shapes' order here, found by a review).  Needs no
+    torch: the tool imports it in its GPU functions only (tests/test_torch_free.py runs this
+    without torch)."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "tools" / "experiments"))
     import kernel_trial
 

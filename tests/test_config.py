@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -218,3 +219,130 @@ def test_json_field_given_twice_is_an_error(tmp_path):
         load_config(str(path))
     path.write_text(json.dumps(data)[:-1] + ', "attention_partition": "sequence"}')
     assert load_config(str(path)).attention_partition == "sequence"  # once: fine
+
+
+def test_numpy_scalars_are_taken_by_value_and_saved(tmp_path):
+    """Issue 41, item 1: ``softmax_scale=np.float32(0.125)`` was stored unconverted, so that
+    ``to_json_file`` raised ``TypeError: Object of type float32 is not JSON serializable``
+    (after truncating the file), and ``num_attention_heads=np.int64(16)`` was refused.  Numbers
+    are taken by value and stored as Python ``int`` / ``float`` / ``bool``; bools are still not
+    numbers."""
+    import numpy as np
+
+    plain = get_preset("deepseek_v32_small", softmax_scale=0.125, rope_theta=5e5)
+    cfg = get_preset("deepseek_v32_small", softmax_scale=np.float32(0.125),
+                     num_attention_heads=np.int64(16), hidden_size=np.int32(256),
+                     rope_theta=np.float64(5e5), rms_norm_eps=np.float32(1e-6),
+                     use_attn_sink=np.bool_(True))
+    assert type(cfg.softmax_scale) is float and cfg.softmax_scale == 0.125
+    assert type(cfg.num_attention_heads) is int and cfg.num_attention_heads == 16
+    assert type(cfg.hidden_size) is int and type(cfg.use_attn_sink) is bool
+    assert type(cfg.rms_norm_eps) is float and cfg.rms_norm_eps == float(np.float32(1e-6))
+    assert cfg.replace(rms_norm_eps=1e-6) == plain and hash(cfg.replace(rms_norm_eps=1e-6)) == hash(plain)
+    path = tmp_path / "cfg.json"
+    cfg.to_json_file(path)
+    assert json.loads(path.read_text())["softmax_scale"] == 0.125
+    assert load_config(str(path)) == cfg
+    # ints in float fields are stored as floats (same value, same JSON round trip)
+    assert type(get_preset("deepseek_v32_small", rope_theta=10000).rope_theta) is float
+    for field, value in (("num_attention_heads", np.bool_(True)), ("hidden_size", True),
+                         ("hidden_size", np.float64(256.0)), ("softmax_scale", True),
+                         ("rope_theta", np.bool_(True)), ("use_attn_sink", np.int64(1))):
+        with pytest.raises(ValueError, match=rf"^MQALatentAttentionConfig\.{field} must be"):
+            get_preset("deepseek_v32_small", **{field: value})
+
+
+def test_failed_save_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """Issue 41, item 1: a save that fails (here: serialisation) must not harm the file it
+    would replace, and leaves no temporary file behind; a good save replaces it whole and keeps
+    its permission bits."""
+    import os
+
+    import numpy as np
+
+    from paddlefleet.tilelang_ops.attn import config as config_mod
+
+    path = tmp_path / "cfg.json"
+    good = get_preset("deepseek_v32_small")
+    good.to_json_file(path)
+    before = path.read_bytes()
+    os.chmod(path, 0o640)
+    bad = good.replace(softmax_scale=0.5)
+    # a value json cannot write, however it got past validation (here: set behind its back)
+    unwritable = good.replace(softmax_scale=0.5)
+    object.__setattr__(unwritable, "softmax_scale", np.float32(0.5))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        unwritable.to_json_file(path)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["cfg.json"]
+    bad.to_json_file(path)
+    assert load_config(str(path)) == bad and sorted(os.listdir(tmp_path)) == ["cfg.json"]
+    assert os.stat(path).st_mode & 0o777 == 0o640
+    # a failure while writing (a full disk, say) leaves the old file too
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(config_mod.os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        good.to_json_file(path)
+    assert load_config(str(path)) == bad and sorted(os.listdir(tmp_path)) == ["cfg.json"]
+
+
+@pytest.mark.parametrize(
+    "field,value,shown",
+    [
+        # 0 in fp32: an all-zero hidden row normalised to NaN
+        ("rms_norm_eps", 1e-320, "1e-320"),
+        ("rms_norm_eps", 1e-39, "1e-39"),  # subnormal in fp32
+        ("rms_norm_eps", 1e39, "1e+39"),  # inf in fp32
+        ("initializer_range", 1e300, "1e+300"),  # inf weights in fp32
+        ("initializer_range", 1e-40, "1e-40"),
+        # raised a raw OverflowError from math.isfinite
+        ("rope_theta", 10**400, "an integer of 1329 bits (about 10**400)"),
+        ("hidden_size", 10**400, "an integer of 1329 bits (about 10**400)"),
+        ("index_topk", 2**31, "2147483648"),
+    ],
+    ids=["eps_zero_in_fp32", "eps_subnormal_in_fp32", "eps_inf_in_fp32", "init_inf_in_fp32",
+         "init_subnormal_in_fp32", "theta_1e400", "hidden_1e400", "topk_over_int32"],
+)
+def test_values_that_cannot_work_name_the_field(field, value, shown):
+    """Issue 41, item 4."""
+    with pytest.raises(ValueError, match=rf"^MQALatentAttentionConfig\.{field} must be .*, got "
+                                         rf"{re.escape(shown)}$"):
+        get_preset("deepseek_v32_small", **{field: value})
+
+
+def test_edges_of_the_float_ranges_are_accepted():
+    import numpy as np
+
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    for field in ("rms_norm_eps", "initializer_range"):
+        assert getattr(get_preset("deepseek_v32_small", **{field: tiny}), field) == tiny
+        assert getattr(get_preset("deepseek_v32_small", **{field: big}), field) == big
+    assert get_preset("deepseek_v32_small", rope_theta=1e300).rope_theta == 1e300
+
+
+def test_file_errors_name_the_file(tmp_path):
+    """Issue 41, item 4: a 401-digit JSON integer raised a raw OverflowError; one over Python's
+    4300-digit limit and a non-UTF-8 file raised errors that did not name the file."""
+    path = tmp_path / "cfg.json"
+    get_preset("deepseek_v32_small").to_json_file(path)
+    text = path.read_text()
+    assert '"rope_theta": 10000.0' in text
+    path.write_text(text.replace('"rope_theta": 10000.0', '"rope_theta": 1' + "0" * 400))
+    with pytest.raises(ValueError, match=r"^config file '.*cfg\.json': MQALatentAttentionConfig"
+                                         r"\.rope_theta must be a finite number > 0, got an "
+                                         r"integer of 1329 bits \(about 10\*\*400\)$"):
+        load_config(str(path))
+    path.write_text(text.replace('"rope_theta": 10000.0', '"rope_theta": 1' + "0" * 5000))
+    with pytest.raises(ValueError, match=r"^config file '.*cfg\.json' is not valid JSON: .*4300 "
+                                         r"digits"):
+        load_config(str(path))
+    path.write_bytes(text.replace('"heads"', '"h\xe9ads"').encode("latin-1"))
+    with pytest.raises(ValueError, match=r"^config file '.*cfg\.json' is not UTF-8 text: "):
+        load_config(str(path))
+    # a bad override is named as one, with the file it was applied to
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"^config file '.*cfg\.json' with overrides "
+                                         r"\['rms_norm_eps'\]: MQALatentAttentionConfig\."
+                                         r"rms_norm_eps must be"):
+        load_config(str(path), rms_norm_eps=0.0)

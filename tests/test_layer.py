@@ -111,6 +111,24 @@ def test_layer_matches_unabsorbed_dense_float64(rng, sink):
     assert not bad, f"rel L2 above {TOL}: {bad}"
 
 
+def test_float64_layer_matches_dense_float64_to_fp64_rounding(rng):
+    """Issue 41, item 3c: an fp64 layer computed its RoPE tables in fp32, so that it agreed
+    with fp64 math to ~8e-11 only; with fp64 tables (and fp64 weights loaded as fp64) it agrees
+    to fp64 rounding.  Long rows (S = 200) make the fp32 angles' error visible."""
+    cfg, full, _, idx, _ = _case(rng, S=200, topk=24, B=1)
+    full = {k: v.astype(np.float64) * (1 + 1e-9 * rng.standard_normal(v.shape))
+            for k, v in full.items()}  # fp64 weights that fp32 cannot hold
+    full["attn_sink"] = full["attn_sink"].astype(np.float32).astype(np.float64)  # an fp32 param
+    layer = _float64_layer(cfg, full)
+    np.testing.assert_array_equal(layer.wq_a.numpy(), full["wq_a"])
+    x_np = rng.standard_normal((1, 200, cfg.hidden_size))
+    y = layer(paddle.to_tensor(x_np), paddle.to_tensor(idx))
+    assert y.dtype == paddle.float64
+    W = {k: paddle.to_tensor(v) for k, v in full.items()}
+    ry = _reference(cfg, W, paddle.to_tensor(x_np), idx)
+    assert rel_l2(y, ry) < 1e-13
+
+
 def test_weights_are_slices_of_the_full_weights():
     cfg = get_preset("deepseek_v32_small")
     full = init_full_weights(cfg, seed=3)
@@ -185,6 +203,73 @@ def test_errors():
     cpu_tl = MQALatentAttention(cfg.replace(backward_backend="tilelang"))
     with pytest.raises(ValueError, match="tilelang.*CUDA"):
         cpu_tl(paddle.randn([1, 8, cfg.hidden_size]), idx)
+
+
+def test_load_full_weights_refuses_weights_it_would_drop(rng):
+    """Issue 41, item 5: a trained sink loaded into a ``use_attn_sink=False`` layer, or a
+    misspelled key, loaded without a word.  Keys that are no parameter of the layer raise,
+    named, as missing ones do, and nothing is written before every key is checked."""
+    cfg, full, _, _, _ = _case(rng, heads=8, S=8, topk=4)
+    layer = MQALatentAttention(cfg.replace(use_attn_sink=False))
+    before = {n: p.numpy().copy() for n, p in layer.named_parameters()}
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['attn_sink'\] are not "
+                                         r"parameters of this layer, which would drop them; "
+                                         r"attn_sink is a weight of layers with use_attn_sink=True"):
+        layer.load_full_weights(full)
+    misspelled = {k: v for k, v in full.items() if k != "attn_sink"}
+    misspelled["w_ou"] = misspelled["wo"]
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['w_ou'\] are not "):
+        layer.load_full_weights(misspelled)
+    del misspelled["wo"]
+    with pytest.raises(ValueError, match=r"^load_full_weights: missing weight\(s\) \['wo'\]"):
+        layer.load_full_weights(misspelled)
+    bad_shape = {k: v for k, v in full.items() if k != "attn_sink"}
+    bad_shape["wo"] = bad_shape["wo"][:-1]
+    with pytest.raises(ValueError, match="wo slice has shape"):
+        layer.load_full_weights(bad_shape)
+    for name, p in layer.named_parameters():  # untouched by the failed loads
+        np.testing.assert_array_equal(p.numpy(), before[name], err_msg=name)
+    layer.load_full_weights({k: v for k, v in full.items() if k != "attn_sink"})
+    np.testing.assert_array_equal(layer.wo.numpy(), full["wo"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("how", ["default_dtype", "to"])
+def test_half_precision_layer_on_cpu_names_its_dtype(dtype, how):
+    """Issue 41, item 7: a float16/bfloat16 layer on CPU failed inside Paddle's matmul ("kernel
+    not registered").  Its first forward raises a TypeError naming the dtype and the ones that
+    run on CPU (float32, float64: both run, also after ``layer.to(dtype=...)``)."""
+    from paddlefleet.tilelang_ops.attn.layer import CPU_DTYPES
+
+    assert CPU_DTYPES == ("float32", "float64")
+    cfg = get_preset("deepseek_v32_small", num_attention_heads=4, index_topk=4)
+    idx = paddle.to_tensor(causal_topk_indices(1, 8, 8, 4))
+    x = paddle.randn([1, 8, cfg.hidden_size])
+    for ok in CPU_DTYPES:
+        layer = MQALatentAttention(cfg)
+        layer.to(dtype=ok)
+        y = layer(x.astype(ok), idx)
+        assert y.dtype == getattr(paddle, ok) and bool(paddle.isfinite(y).all())
+    if how == "to":
+        layer = MQALatentAttention(cfg)
+        layer.to(dtype=dtype)
+    else:
+        old = paddle.get_default_dtype()
+        paddle.set_default_dtype(dtype)
+        try:
+            layer = MQALatentAttention(cfg)
+        finally:
+            paddle.set_default_dtype(old)
+    with pytest.raises(TypeError, match=rf"^MQALatentAttention: the layer's parameters are {dtype}, "
+                                        rf"which does not run on CPU .*runs in float32 or float64"):
+        layer(x.astype(dtype), idx)
+
+
+def test_initializer_range_that_overflows_fp32_weights():
+    cfg = get_preset("deepseek_v32_small", num_attention_heads=4, initializer_range=3e38)
+    with pytest.raises(ValueError, match=r"^config.initializer_range=3e\+38 draws non-finite fp32 "
+                                         r"weights \(wq_a\)"):
+        MQALatentAttention(cfg)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
@@ -284,15 +369,15 @@ def test_packed_equals_documents_alone_float64(rng, sink):
     assert set(errors) - {"y", "dx"} == {"grad." + k for k in full}
     bad = {k: e for k, e in errors.items() if not e <= 1e-6}
     assert not bad, f"rel L2 above 1e-6: {bad}"
-    # Tighter, and what shows the RoPE restart: RoPE scores depend only on position differences,
-    # so shifted positions change the math by nothing but the rounding of the (fp32) angle
-    # table; restarting at 0 gives each document exactly its lone run's table, so the fp64
-    # parts agree to fp64 rounding (measured ~6e-16), while positions 0..S-1 over the whole
-    # row leave ~1e-7.
+    # Tighter: the fp64 parts agree to fp64 rounding (measured ~6e-16).  RoPE scores depend
+    # only on position differences, so shifted positions change the math by nothing but the
+    # rounding of the angle table; the fp64 layer's tables are fp64 (issue 41), so positions
+    # 0..S-1 over the whole row agree to fp64 rounding too (they left ~1e-7 with the fp32
+    # tables it had).  That the positions restart is test_packed_rope_positions_restart_per_document.
     tight = {k: e for k, e in errors.items() if k != "grad.attn_sink" and not e <= 1e-12}
     assert not tight, f"rel L2 above 1e-12: {tight}"
     y_flat, _, _ = _run_layer(layer, x, idx, gy)
-    assert rel_l2(y_flat, np.concatenate(ys, 1)) > 1e-10
+    assert rel_l2(y_flat, np.concatenate(ys, 1)) < 1e-12
 
 
 def test_packed_rope_positions_restart_per_document():

@@ -142,6 +142,29 @@ def test_forward_large_scores_stay_finite(fw, rng):
     assert rel_l2(fw.np(lse), want_lse) < 1e-6
 
 
+def test_logits_finite_where_the_raw_dot_product_overflows(fw, rng):
+    """Issue 41, item 3a: fp32 inputs at 3e19 with ``sm_scale = 1e-30`` have logits ~1e9, but
+    the raw ``q . k`` (~1e40) overflows fp32; scaling after the dot product gave NaN ``out`` and
+    ``lse``.  The reference scales the query first: its fp32 results match the fp64 ones (where
+    nothing overflows).  (The backward is finite too; its fp32 values at this scale are
+    rounding noise: ``dS = P (dP - Delta)`` cancels terms of ~1e39.)"""
+    c = make_case(rng, 2, 3, True, dtype=np.float32)
+    for key in ("q", "kv"):
+        c[key] = (c[key] * np.float32(3e19)).astype(np.float32)
+    c["scale"] = 1e-30
+    raw = np.einsum("bshd,bnd->bshn", c["q"].astype(np.float64), c["kv"].astype(np.float64))
+    assert np.abs(raw).max() > np.finfo(np.float32).max  # the raw q.k overflows fp32
+    got = [fw.np(t) for t in run_ref(fw, c, dtype="float32")]
+    want = [fw.np(t) for t in run_ref(fw, c, dtype="float64")]
+    for name, g in zip(("out", "dq", "dkv", "d_sink"), got[:1] + got[2:]):
+        assert np.isfinite(g).all(), name
+    valid = np.isfinite(want[1])
+    assert np.abs(want[1][valid]).max() > 1e8  # logits ~1e9: finite in fp32
+    assert rel_l2(got[0], want[0]) < 1e-6
+    np.testing.assert_array_equal(np.isfinite(got[1]), valid)
+    assert rel_l2(got[1][valid], want[1][valid]) < 1e-6
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_forward_at_extreme_logits(fw, dtype):
     """Issue 9's input (``helpers.extreme_logits_case``): every logit of a row equal, about
@@ -293,6 +316,22 @@ def test_rows_without_keys_are_zero_never_nan(fw, rng, with_sink, dtype):
     np.testing.assert_array_equal(fw.np(lse), -np.inf)
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_rows_without_keys_add_nothing_to_d_sink_whatever_their_grad_out(fw, rng, poison):
+    """Issue 41, item 3b: a row with no valid key has ``out = 0``, so ``Delta = 0`` and its
+    ``d_sink`` term is 0 (docs/conventions.md, "Rows with no valid key"); a NaN or inf in that
+    row's ``grad_out`` made ``Delta = 0 * NaN`` and ``d_sink`` NaN.  The poisoned run equals
+    the run with that row's ``grad_out`` zeroed, bit for bit."""
+    c = make_case(rng, 2, 3, True)  # row (0, 2) has no valid key
+    c["grad_out"][0, 2] = 0.0
+    clean = [fw.np(t) for t in run_ref(fw, c)]
+    c["grad_out"][0, 2] = poison
+    poisoned = [fw.np(t) for t in run_ref(fw, c)]
+    assert np.isfinite(clean[4]).all() and np.abs(clean[4]).max() > 0
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "d_sink"), clean, poisoned):
+        np.testing.assert_array_equal(b, a, err_msg=name)
+
+
 def test_minus_one_slots_never_touch_row_zero(fw, rng):
     """A -1 slot is gathered as row 0 but masked: dkv[0] must stay 0 when no row selects key 0."""
     c = make_case(rng, 1, 3, True)
@@ -342,9 +381,9 @@ def test_chunk_bound_at_the_gpu_suite_size():
     """S=1024, L=2048, Dk=576, H=128 in fp64: one chunk's per-row terms stay within budget."""
     dims = Dims(B=1, S=1024, H=128, Dk=576, Dv=512, S_kv=2048, L=2048)
     # Generous counts of what one chunk holds alive at its peak: [L, Dk]-sized tensors (gathered
-    # keys; in backward also the two dKV terms, their padding and their sum) and [H, L]-sized
-    # ones (scores, masks, exp, P, dP, dS).
-    live = {False: (2, 6), True: (5, 8)}
+    # keys; in backward also the two dKV terms, their padding and their sum; one more for the
+    # [H, Dk]-sized query copies) and [H, L]-sized ones (scores, masks, exp, P, dP, dS).
+    live = {False: (3, 6), True: (6, 8)}
     for backward, (n_keys, n_scores) in live.items():
         rows = ref_mod._chunk_rows(dims, "float64", backward)
         assert 1 <= rows < dims.S

@@ -99,6 +99,20 @@ def test_train_step_exits_nonzero_on_nan():
     assert "non-finite loss/gradient at step 1" in res.stderr
 
 
+def test_train_step_diverging_update_ends_with_one_line():
+    """Issue 41, item 6: ``--lr 1e308`` makes every parameter non-finite after the first
+    optimizer step while the loss and gradients are finite; the next forward ended in a
+    traceback (``ValueError: attn_sink ...``).  The parameters are checked after each step: one
+    ``error: non-finite ...`` line on stderr naming them, status 1, no traceback."""
+    res = _train_step("--steps", "3", "--seq-len", "16", "--lr", "1e308")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr == (
+        "error: non-finite parameters after the optimizer step at step 0 (wq_a, q_norm_weight, "
+        "wq_b, wkv_a, kv_norm_weight, w_uk, w_uv, wo, attn_sink; the update diverged: lower "
+        "--lr, now 1e+308)\n"), res.stderr
+    assert "step 0: loss" in res.stdout and "step 1:" not in res.stdout, res.stdout
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -5,9 +5,10 @@ Builds :class:`~paddlefleet.tilelang_ops.attn.layer.MQALatentAttention` from a c
 name or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
 printing per step the loss, the global gradient norm and the gradient norm of every parameter
 (tensor-parallel shards are combined, so the numbers are the same for any ``--nproc``).  Exits
-with status 1 as soon as a loss or gradient is not finite or when the config cannot run (unknown
-preset, heads not divisible by --nproc, tilelang without a GPU), 2 on a bad option, and 130 / 143
-when stopped by Ctrl-C / SIGTERM (every rank is stopped too).
+with status 1 and one ``error: non-finite ...`` line as soon as a loss, a gradient or a parameter
+after an optimizer step is not finite, with status 1 when the config cannot run (unknown preset,
+heads not divisible by --nproc, tilelang without a GPU), 2 on a bad option, and 130 / 143 when
+stopped by Ctrl-C / SIGTERM (every rank is stopped too).
 
 Examples:
     # CPU, small preset, reference backward (a few seconds)
@@ -217,6 +218,24 @@ def _grad_norms(layer, group) -> dict:
     return norms
 
 
+def _non_finite_parameters(layer, group) -> list:
+    """Names of the parameters holding a NaN or inf on any rank of ``group`` (the same list on
+    every rank, so that all of them stop at the same step)."""
+    import paddle
+    import paddle.distributed as dist
+
+    from paddlefleet.tilelang_ops.attn.tp import group_world_size
+
+    names, flags = [], []
+    for name, p in layer.named_parameters():
+        names.append(name)
+        flags.append((~paddle.isfinite(p)).any().astype("float32"))
+    flag = paddle.stack(flags)
+    if group_world_size(group) > 1:
+        dist.all_reduce(flag, group=group)
+    return [n for n, f in zip(names, flag.numpy().tolist()) if f > 0]
+
+
 def _load_config(args, on_gpu: bool, world: int):
     """``(name, config)`` for ``world`` tensor-parallel ranks; a bad config (heads not divisible
     by ``world`` included) exits with a message naming ``--config``."""
@@ -364,18 +383,24 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
             norms = _grad_norms(layer, layer.group)
             loss_v = float(loss)
             finite = math.isfinite(loss_v) and all(math.isfinite(v) for v in norms.values())
+            bad_params = []
             if finite:
                 opt.step()
+                # a finite gradient can still make a non-finite update (a huge --lr)
+                bad_params = _non_finite_parameters(layer, layer.group)
             opt.clear_grad()
             ms = (time.perf_counter() - t0) * 1e3
             parts = " ".join(f"{k} {v:.3e}" for k, v in norms.items() if k != "total")
             log(f"step {step}: loss {loss_v:.6f}  grad_norm {norms['total']:.4e}  ({ms:.0f} ms)")
             log(f"  grad norms: {parts}")
             losses.append(loss_v)
-            if not finite:
+            if not finite or bad_params:
                 bad = [k for k, v in norms.items() if not math.isfinite(v)]
                 msg = (f"error: non-finite loss/gradient at step {step} (loss {loss_v}, "
-                       f"non-finite grad norms: {bad or 'none'})")
+                       f"non-finite grad norms: {bad or 'none'})" if not finite else
+                       f"error: non-finite parameters after the optimizer step at step {step} "
+                       f"({', '.join(bad_params)}; the update diverged: lower --lr, now "
+                       f"{args.lr:g})")
                 print(msg, file=sys.stderr, flush=True)
                 if to_console:
                     log(msg)

@@ -45,21 +45,33 @@ def _processes_running(marker: str) -> list:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, signals")
 def test_timeout_ends_every_rank(tmp_path):
+    """The timeout ends ranks that are up (past the gloo rendezvous, hanging).  On a busy
+    machine two ranks may not be up within a short timeout (seen at load ~13 with 20 s): then
+    that attempt proves nothing about ending them, and the test tries again with twice the
+    timeout, so its assertions hold for what happened, whatever the load.  Every attempt must
+    end within its timeout plus the launcher's SIGTERM grace and leave no rank behind."""
     script = tmp_path / f"hang_{os.getpid()}.py"
     script.write_text(_HANG)
-    t0 = time.monotonic()
-    res = launch_ranks(str(script), 2, timeout=20, capture=True)
-    assert res.timed_out and res.returncode == 124
-    assert time.monotonic() - t0 < 60
-    # The ranks had started (so there was something to end) ...
-    logs = "".join(p.read_text(errors="replace")
-                   for p in sorted(Path(res.log_dir).glob("workerlog.*")))
-    assert logs.count("rank up") == 2, logs[-2000:]
-    # ... and none is left.
-    deadline = time.monotonic() + 10
-    while _processes_running(script.name) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _processes_running(script.name) == []
+    grace = 15.0
+    for timeout in (20, 40, 80, 160):
+        t0 = time.monotonic()
+        res = launch_ranks(str(script), 2, timeout=timeout, capture=True, grace=grace)
+        elapsed = time.monotonic() - t0
+        assert res.timed_out and res.returncode == 124
+        # SIGTERM at the timeout; the launcher's _stop waits at most three graces (the
+        # launcher, its ranks, their SIGKILL); slack for a loaded machine
+        assert elapsed < timeout + 3 * grace + 15, elapsed
+        # none is left, whether or not the ranks were up ...
+        deadline = time.monotonic() + 10
+        while _processes_running(script.name) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _processes_running(script.name) == []
+        logs = "".join(p.read_text(errors="replace")
+                       for p in sorted(Path(res.log_dir).glob("workerlog.*")))
+        if logs.count("rank up") == 2:
+            break  # ... and this time the ranks had started (there was something to end)
+    assert logs.count("rank up") == 2, (
+        f"the 2 ranks were not up within a {timeout} s timeout: {logs[-2000:]}")
 
 
 def test_exit_status_is_the_launchers(tmp_path):

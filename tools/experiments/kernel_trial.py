@@ -42,8 +42,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, "src")
 sys.path.insert(0, "tools/bench")
 import harness  # noqa: E402
@@ -139,6 +137,8 @@ def median_ms(fn, reps):
     None where it cannot be read) is the median while the timed calls ran, as the benchmark's
     rows record it: cool rounds of one shape ranged 4.05-4.54 ms at h128 (runs 79-80) with no
     clock beside."""
+    import torch  # here, not at the top: the module's pure helpers import without torch
+
     clock = harness.Clock(torch)
     if STATE == "hot":
         return sustained_calls(torch, clock, lambda _: fn(), [None], harness.HOT_S)
@@ -154,6 +154,8 @@ def rel(a, b):
 
 
 def run_shape(name, providers, do_fwd, do_bwd, reps, dets):
+    import torch
+
     sh = SHAPES[name]
     B, S, SKV, H, K = sh.B, sh.S, sh.S_kv, sh.H, sh.topk
     g = torch.Generator(device="cuda").manual_seed(7)

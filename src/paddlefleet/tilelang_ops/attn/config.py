@@ -22,8 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
+import secrets
+import stat
 from typing import Any, Mapping
+
+import numpy as np
 
 from .checks import check_sm_scale
 
@@ -58,6 +63,54 @@ _POSITIVE_INT_FIELDS = (
     "tensor_parallel_degree",
 )
 
+#: Sizes are tensor dimensions: at most the largest int32.
+_MAX_SIZE = 2**31 - 1
+
+#: float32's smallest normal number: the layer computes in fp32 (Paddle's default dtype), where
+#: a smaller rms_norm_eps or initializer_range is subnormal or 0.
+_FP32_TINY = float(np.finfo(np.float32).tiny)
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def _as_int(value):
+    """``value`` as a Python int if it is an integer (numpy integers included, by value; bools
+    excluded), else ``None``."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _as_float(value):
+    """``value`` as a Python float if it is a real number (numpy scalars included, by value;
+    bools excluded) that a float can hold, else ``None`` (10**400 overflows a float)."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+
+
+def _short_repr(value) -> str:
+    """``repr(value)``, with a huge integer shown by its size (its repr may be too long to read,
+    or refused by Python's limit on int-to-str conversion)."""
+    as_int = _as_int(value)
+    if as_int is not None and abs(as_int) >= 10**30:
+        digits = int(as_int.bit_length() * math.log10(2))
+        return f"an integer of {as_int.bit_length()} bits (about 10**{digits})"
+    return repr(value)
+
+
+def _in_fp32_normal_range(value: float) -> bool:
+    """In ``[fp32 tiny, fp32 max]``, also after rounding to float32."""
+    with np.errstate(over="ignore", under="ignore"):
+        v32 = float(np.float32(value))
+    return all(_FP32_TINY <= v <= _FP32_MAX for v in (value, v32))
+
 
 @dataclasses.dataclass(frozen=True)
 class MQALatentAttentionConfig:
@@ -85,9 +138,16 @@ class MQALatentAttentionConfig:
             ``"sequence"`` (each rank runs all ``H`` heads on ``ceil(S/TP)`` query rows, with
             an all-to-all before and after the core; docs/layer.md).  The parameters are split
             by heads either way.
-        rope_theta: base of the rotary frequencies.
-        rms_norm_eps: epsilon of the RMSNorms on the q and kv latents.
-        initializer_range: standard deviation of the random weight initialisation.
+        rope_theta: base of the rotary frequencies; finite and ``> 0``.
+        rms_norm_eps: epsilon of the RMSNorms on the q and kv latents; in float32's normal
+            range ``[1.18e-38, 3.4e38]`` (a smaller eps is 0 or subnormal in the fp32 layer,
+            where an all-zero row would normalise to NaN).
+        initializer_range: standard deviation of the random (fp32) weight initialisation; in
+            float32's normal range.
+
+    Sizes are ints in ``[1, 2**31 - 1]``; numbers may be given as numpy scalars
+    (``np.int64(16)``, ``np.float32(0.125)``) and are stored as Python ``int`` / ``float``
+    (``bool`` is never a number here; ``use_attn_sink`` takes ``bool`` or ``np.bool_``).
     """
 
     hidden_size: int
@@ -108,12 +168,17 @@ class MQALatentAttentionConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self):
+        # Numbers are taken by value (numpy scalars too) and stored as Python int / float /
+        # bool, so that the config compares, hashes and serialises the same whatever built it.
         for name in _POSITIVE_INT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            as_int = _as_int(value)
+            if as_int is None or not 0 < as_int <= _MAX_SIZE:
                 raise ValueError(
-                    f"MQALatentAttentionConfig.{name} must be a positive int, got {value!r}"
+                    f"MQALatentAttentionConfig.{name} must be a positive int (at most "
+                    f"{_MAX_SIZE}, a tensor dimension), got {_short_repr(value)}"
                 )
+            object.__setattr__(self, name, as_int)
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 "MQALatentAttentionConfig.qk_rope_head_dim must be even (rotary pairs), got "
@@ -146,29 +211,41 @@ class MQALatentAttentionConfig:
         if self.softmax_scale is not None:
             # The op's own rule (finite and > 0, also in float32), checked here already so
             # that a bad config fails when it is built, not at the first forward.
+            scale = _as_float(self.softmax_scale)
             try:
-                check_sm_scale(self.softmax_scale)
+                check_sm_scale(scale)
             except (TypeError, ValueError):
                 raise ValueError(
                     "MQALatentAttentionConfig.softmax_scale must be None or a finite number > 0 "
                     f"(also finite and > 0 in float32), got {self.softmax_scale!r}"
                 ) from None
-        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            object.__setattr__(self, "softmax_scale", scale)
+        # What each float field must be for the block to compute anything but NaN/inf.  The
+        # RoPE tables are computed in float64 (any finite base > 0 works); the RMSNorm eps is
+        # added to a mean square in the layer's dtype (fp32 by default), where a smaller eps
+        # is subnormal or 0; the weights are drawn in fp32.
+        fp32_range = (f"a number in [{_FP32_TINY:.6g}, {_FP32_MAX:.6g}], float32's normal "
+                      "range (also after rounding to float32)")
+        rules = {
+            "rope_theta": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+            "rms_norm_eps": (_in_fp32_normal_range, (
+                f"{fp32_range}: the fp32 layer adds it to a mean square, and a smaller eps is "
+                "subnormal or 0 there (an all-zero row then normalises to NaN)")),
+            "initializer_range": (_in_fp32_normal_range,
+                                  f"{fp32_range}: the standard deviation of fp32 weights"),
+        }
+        for name, (ok, expected) in rules.items():
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(
-                    f"MQALatentAttentionConfig.{name} must be a finite positive number, got "
-                    f"{value!r}"
-                )
-        if not isinstance(self.use_attn_sink, bool):
+            as_float = _as_float(value)
+            if as_float is None or not ok(as_float):
+                raise ValueError(f"MQALatentAttentionConfig.{name} must be {expected}, got "
+                                 f"{_short_repr(value)}")
+            object.__setattr__(self, name, as_float)
+        if not _is_bool(self.use_attn_sink):
             raise ValueError(
                 f"MQALatentAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
             )
+        object.__setattr__(self, "use_attn_sink", bool(self.use_attn_sink))
 
     # --- derived sizes -----------------------------------------------------------------------
     @property
@@ -226,15 +303,50 @@ class MQALatentAttentionConfig:
 
         Raises:
             OSError: the file cannot be read.
-            ValueError: the file is not valid JSON or not a JSON object, or gives a field twice
-                (the message names the file), or a field is unknown, missing or invalid.
+            ValueError: the file is not UTF-8 text, not valid JSON (an integer of more than
+                Python's 4300 digits included) or not a JSON object, or gives a field twice, or
+                a field is unknown, missing or invalid; every message names the file.
         """
-        return cls.from_dict({**_read_json_object(path), **overrides})
+        data = _read_json_object(path)
+        try:
+            return cls.from_dict({**data, **overrides})
+        except ValueError as e:
+            given = f" with overrides {sorted(overrides)}" if overrides else ""
+            raise ValueError(f"config file {os.fspath(path)!r}{given}: {e}") from None
 
     def to_json_file(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        """Write the config as a JSON object (``indent=2``) to ``path``, atomically.
+
+        The text is made first, then written to a temporary file in the same folder and moved
+        over ``path`` with ``os.replace``: a failed save (serialisation, full disk) leaves an
+        existing file as it was, and a reader never sees half a file.  An existing file keeps
+        its permission bits; a symlink keeps pointing where it did (its target is replaced).
+
+        Raises:
+            OSError: the folder cannot be written.
+        """
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+        target = os.path.realpath(os.fspath(path))
+        folder, base = os.path.split(target)
+        tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            # 0o666 less the umask, as open(path, "w") would give a new file
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+            except FileNotFoundError:
+                pass
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def replace(self, **changes) -> "MQALatentAttentionConfig":
         """A copy with some fields changed (validated again; an unknown field is a
@@ -254,9 +366,14 @@ class MQALatentAttentionConfig:
 MLAAttentionConfig = MQALatentAttentionConfig
 
 
+class _FieldGivenTwice(ValueError):
+    pass
+
+
 def _read_json_object(path: str | os.PathLike) -> dict:
-    """The JSON object in ``path``; malformed JSON or another JSON type is a ``ValueError``
-    naming the file."""
+    """The JSON object in ``path``; text that is not UTF-8, malformed JSON (integers beyond
+    Python's int-to-str digit limit included) or another JSON type is a ``ValueError`` naming
+    the file."""
     def no_duplicates(pairs):
         # json.load keeps the last of a repeated key silently; in a config that hides an edit
         seen = {}
@@ -264,17 +381,26 @@ def _read_json_object(path: str | os.PathLike) -> dict:
             seen.setdefault(key, []).append(value)
         for key, values in seen.items():
             if len(values) > 1:
-                raise ValueError(
+                raise _FieldGivenTwice(
                     f"config file {os.fspath(path)!r}: field {key!r} is given {len(values)} "
-                    f"times (values {', '.join(map(repr, values))})"
+                    f"times (values {', '.join(map(_short_repr, values))})"
                 )
         return {key: values[0] for key, values in seen.items()}
 
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f, object_pairs_hook=no_duplicates)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {os.fspath(path)!r} is not UTF-8 text: {e}") from None
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except _FieldGivenTwice:
+        raise
+    except ValueError as e:
+        # JSONDecodeError, and the ValueError of an integer literal over Python's
+        # int-to-str digit limit (4300 digits), which json.loads does not wrap
+        raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(
             f"config file {os.fspath(path)!r}: expected a JSON object of config fields, got a "

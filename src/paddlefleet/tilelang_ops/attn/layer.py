@@ -59,8 +59,13 @@ differences, so the restart changes no score in exact arithmetic; it gives every
 rotation tables of its lone run (the fp32 angles of a late document in a long packed row would
 otherwise lose precision) and the positions a document-aware model expects.
 
-Parameters are created in Paddle's default dtype (fp32); ``attn_sink`` is always fp32.  On
-CUDA the attention inputs are cast to bf16 (the kernel's dtype) and the output back.
+Parameters are created in Paddle's default dtype (fp32); ``attn_sink`` is always fp32 (the
+op's sink dtype; a layer cast with ``layer.to(dtype=...)`` hands the op an fp32 copy).  On CUDA
+the attention inputs are cast to bf16 (the kernel's dtype) and the output back.  On CPU the
+layer runs in float32 or float64 only (:data:`CPU_DTYPES`: Paddle's CPU matmul has no
+float16/bfloat16 kernel; such a layer raises a ``TypeError`` saying so at its first forward).
+RoPE tables are computed in float64 and rounded to float32 for an fp32 layer (the angles too);
+an fp64 layer uses them in float64.
 """
 
 from __future__ import annotations
@@ -84,12 +89,15 @@ from .tp import (
     reduce_from_tensor_parallel,
 )
 
-__all__ = ["MQALatentAttention", "init_full_weights", "shard_of", "SHARD_AXIS", "REPLICATED"]
+__all__ = ["MQALatentAttention", "init_full_weights", "shard_of", "SHARD_AXIS", "REPLICATED",
+           "CPU_DTYPES"]
 
 #: Per-rank parameters and the axis along which they are split by heads (head-major blocks).
 SHARD_AXIS = {"wq_b": 1, "w_uk": 0, "w_uv": 0, "wo": 0, "attn_sink": 0}
 #: Parameters every rank holds whole.
 REPLICATED = ("wq_a", "q_norm_weight", "wkv_a", "kv_norm_weight")
+#: Parameter dtypes the layer runs in on CPU (Paddle 3.3's CPU matmul has no fp16/bf16 kernel).
+CPU_DTYPES = ("float32", "float64")
 
 
 def _full_shapes(cfg: MQALatentAttentionConfig) -> dict:
@@ -120,25 +128,31 @@ def _init_weights(cfg: MQALatentAttentionConfig, seed: int, head_lo: int, head_h
     H = cfg.num_attention_heads
     shapes = _full_shapes(cfg)
     out = {}
-    for pid, (name, shape) in enumerate(shapes.items()):
-        if name in ("q_norm_weight", "kv_norm_weight"):
-            out[name] = np.ones(shape, np.float32)
-            continue
-        if name not in SHARD_AXIS:
-            out[name] = (np.random.default_rng([seed, pid]).standard_normal(shape) * std).astype(
-                np.float32
+    with np.errstate(over="ignore"):  # an overflowing std is reported below, by name
+        for pid, (name, shape) in enumerate(shapes.items()):
+            if name in ("q_norm_weight", "kv_norm_weight"):
+                out[name] = np.ones(shape, np.float32)
+                continue
+            if name not in SHARD_AXIS:
+                draw = np.random.default_rng([seed, pid]).standard_normal(shape)
+                out[name] = (draw * std).astype(np.float32)
+                continue
+            axis = SHARD_AXIS[name]
+            block = list(shape)
+            block[axis] //= H
+            # The sink is a logit, not a weight: unit scale so it matters from step 0.
+            scale = 1.0 if name == "attn_sink" else std
+            blocks = [
+                np.random.default_rng([seed, pid, head]).standard_normal(block) * scale
+                for head in range(head_lo, head_hi)
+            ]
+            out[name] = np.concatenate(blocks, axis=axis).astype(np.float32)
+    for name, value in out.items():
+        if not np.isfinite(value).all():  # std near fp32's largest number: draws overflow
+            raise ValueError(
+                f"config.initializer_range={cfg.initializer_range!r} draws non-finite fp32 "
+                f"weights ({name}); use a standard deviation far below float32's largest number"
             )
-            continue
-        axis = SHARD_AXIS[name]
-        block = list(shape)
-        block[axis] //= H
-        # The sink is a logit, not a weight: unit scale so it matters from step 0.
-        scale = 1.0 if name == "attn_sink" else std
-        blocks = [
-            np.random.default_rng([seed, pid, head]).standard_normal(block) * scale
-            for head in range(head_lo, head_hi)
-        ]
-        out[name] = np.concatenate(blocks, axis=axis).astype(np.float32)
     return out
 
 
@@ -167,7 +181,11 @@ def _rope(x, positions, theta):
     """Rotate-half RoPE over the last dim of ``x [..., S, (h,) d]``; ``positions [S]``."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    ang = np.outer(positions, inv_freq).astype(np.float32)  # [S, d/2]
+    ang = np.outer(positions, inv_freq)  # [S, d/2], float64
+    if x.dtype != paddle.float64:
+        # fp32 angles (and tables) below fp64: the fp32 layer's numbers as they always were;
+        # an fp64 layer gets fp64 tables, so that it agrees with fp64 math to fp64 rounding
+        ang = ang.astype(np.float32)
     cos = paddle.to_tensor(np.concatenate([np.cos(ang)] * 2, -1), place=x.place)
     sin = paddle.to_tensor(np.concatenate([np.sin(ang)] * 2, -1), place=x.place)
     if x.ndim == 4:  # [B, S, h, d]: broadcast over heads
@@ -193,6 +211,10 @@ class MQALatentAttention(paddle.nn.Layer):
     core is split over the group (module docstring); outputs and gradients are the same
     either way (up to fp32 summation order).
 
+    Dtypes: the parameters take Paddle's default dtype when the layer is built (fp32
+    normally; ``attn_sink`` stays fp32).  On CPU the layer runs in float32 and float64 only;
+    float16 and bfloat16 layers run on CUDA (Paddle 3.3's CPU matmul has neither kernel).
+
     Forward:
         hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
             dtype when the layer was built, fp32 normally).
@@ -215,8 +237,10 @@ class MQALatentAttention(paddle.nn.Layer):
 
     Raises:
         ValueError: ``config.tensor_parallel_degree`` differs from the group size.
+        ValueError: ``config.initializer_range`` so large that fp32 weights overflow.
         TypeError (forward): ``hidden_states`` not a paddle.Tensor in the parameters' dtype
-            (fp32 by default), or ``token_indices`` not a paddle.Tensor.
+            (fp32 by default), or ``token_indices`` not a paddle.Tensor; a float16/bfloat16
+            layer on CPU (named, with the dtypes that run there).
         ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
             or ``token_indices`` not ``[B, S, L]``; index values as in the op.
         TypeError (forward, with ``cu_seqlens``): ``cu_seqlens`` not an int32 tensor/array.
@@ -269,20 +293,52 @@ class MQALatentAttention(paddle.nn.Layer):
 
     def load_full_weights(self, full: dict) -> None:
         """Copy unsharded weights (numpy, :func:`init_full_weights` layout) into this rank's
-        parameters, slicing the per-rank ones."""
-        for name, param in self.named_parameters():
-            if name not in full:
-                raise ValueError(f"load_full_weights: missing weight {name!r}")
+        parameters, slicing the per-rank ones.
+
+        Every key of ``full`` must be a parameter of this layer and every parameter must be
+        given: a weight this layer would drop (a trained ``attn_sink`` loaded into a
+        ``use_attn_sink=False`` layer, a misspelled name) is an error, not a silent loss.
+        Everything is checked before any parameter is written.
+
+        Raises:
+            ValueError: missing, unknown or unused keys (each named), or a slice whose shape
+                differs from its parameter's.
+        """
+        params = dict(self.named_parameters())
+        missing = [name for name in params if name not in full]
+        if missing:
+            raise ValueError(f"load_full_weights: missing weight(s) {missing}")
+        extra = sorted(map(str, set(full) - set(params)))
+        if extra:
+            sink = ("; attn_sink is a weight of layers with use_attn_sink=True, this one has "
+                    "none" if "attn_sink" in extra and not self.config.use_attn_sink else "")
+            raise ValueError(
+                f"load_full_weights: weight(s) {extra} are not parameters of this layer, which "
+                f"would drop them{sink} (parameters: {sorted(params)})"
+            )
+        values = {}
+        for name, param in params.items():
             value = shard_of(name, full[name], self.tp_rank, self.tp_size)
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
                     f"expects {list(param.shape)}"
                 )
+            values[name] = value
+        for name, param in params.items():
             # cast in Paddle to the parameter's dtype (numpy has no bf16: param.numpy() is
-            # uint16 there) without reading the parameter back to the host
-            param.set_value(paddle.to_tensor(np.asarray(value, dtype=np.float32))
+            # uint16 there) without reading the parameter back to the host; an fp64 parameter
+            # takes the value in fp64 (not through fp32)
+            host = np.float64 if param.dtype == paddle.float64 else np.float32
+            param.set_value(paddle.to_tensor(np.asarray(values[name], dtype=host))
                             .astype(param.dtype))
+
+    def _sink(self):
+        """The sink logits in fp32, the op's sink dtype (``layer.to(dtype=...)`` casts them
+        with the other parameters; the cast is differentiable), or ``None``."""
+        if self.attn_sink is None or self.attn_sink.dtype == paddle.float32:
+            return self.attn_sink
+        return self.attn_sink.astype("float32")
 
     def _check_forward_inputs(self, hidden_states, token_indices) -> None:
         """Errors named after the layer's own arguments, before any projection runs."""
@@ -298,6 +354,14 @@ class MQALatentAttention(paddle.nn.Layer):
         # The projections are matmuls with the parameters: their dtype is the only one that
         # works (Paddle fails deep inside matmul otherwise).
         want = self.wq_a.dtype
+        name_of = str(want).replace("paddle.", "")
+        if self.wq_a.place.is_cpu_place() and name_of not in CPU_DTYPES:
+            raise TypeError(
+                f"MQALatentAttention: the layer's parameters are {name_of}, which does not run "
+                f"on CPU (Paddle's CPU matmul has no {name_of} kernel); on CPU the layer runs in "
+                f"{' or '.join(CPU_DTYPES)} (paddle.set_default_dtype before building it, or "
+                f"layer.to(dtype='float32')); {name_of} runs on CUDA"
+            )
         if hidden_states.dtype != want:
             raise TypeError(
                 f"hidden_states: expected dtype {str(want).replace('paddle.', '')} (the layer's "
@@ -403,7 +467,8 @@ class MQALatentAttention(paddle.nn.Layer):
         idx_rows = token_indices[:, lo:hi]
         if hi - lo < rows:  # this rank holds pad rows: all slots empty (-1)
             idx_rows = F.pad(idx_rows, [0, 0, 0, rows - (hi - lo), 0, 0], value=-1)
-        sink = None if self.attn_sink is None else gather_from_tensor_parallel(self.attn_sink, group)
+        sink = self._sink()
+        sink = None if sink is None else gather_from_tensor_parallel(sink, group)
         o_rows = mqa_latent_sparse_attention(
             q_rows, kv, idx_rows, c.sm_scale, sink, c.backward_backend, d_v=c.kernel_dv,
         )
@@ -457,7 +522,7 @@ class MQALatentAttention(paddle.nn.Layer):
             o_lat = self._sequence_partitioned_core(query, kv, token_indices, cu_seqlens)
         else:
             o_lat = mqa_latent_sparse_attention(
-                query, kv, token_indices, c.sm_scale, self.attn_sink, c.backward_backend,
+                query, kv, token_indices, c.sm_scale, self._sink(), c.backward_backend,
                 d_v=c.kernel_dv, cu_seqlens=cu_seqlens,
             )
         o_lat = o_lat.astype(compute_dtype)

@@ -52,9 +52,10 @@ def _chunk_rows(dims, dtype: str, backward: bool) -> int:
     """Query rows per chunk so that one chunk's intermediates fit in ``_CHUNK_BYTES``."""
     itemsize = 8 if dtype == "float64" else 4
     # Per query row: the gathered keys [L, Dk] (twice: the gather and its -1 rows zeroed),
-    # scores/probabilities [H, L] (a few of them) and, in backward, the per-slot dKV terms
-    # [L, Dk] and [L, Dv], their sum and its -1 rows zeroed, before the scatter.
-    per_row = 2 * dims.L * dims.Dk + 4 * dims.H * dims.L + dims.H * (dims.Dk + dims.Dv)
+    # scores/probabilities [H, L] (a few of them), the query (cast and scaled) and the output
+    # and, in backward, the per-slot dKV terms [L, Dk] and [L, Dv], their sum and its -1 rows
+    # zeroed, before the scatter.
+    per_row = 2 * dims.L * dims.Dk + 4 * dims.H * dims.L + dims.H * (2 * dims.Dk + dims.Dv)
     if backward:
         per_row += dims.L * (3 * dims.Dk + dims.Dv) + 3 * dims.H * dims.L
     per_row *= dims.B * itemsize
@@ -82,7 +83,11 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     dt = ops.dtype(q_c)
     kv_g = ops.where(ops.reshape(valid, (B, c, L, 1)), ops.gather_rows(kv_c, safe),
                      ops.zeros((1,), dt, q_c))
-    scores = ops.einsum("bshd,bsld->bshl", q_c, kv_g) * sm_scale
+    # (q sm_scale) . k, not (q . k) sm_scale: the raw q . k overflows where the logits need
+    # not (fp32 inputs at 3e19 with sm_scale 1e-30: logits ~1e9, q . k ~1e41).  For sm_scale
+    # <= 1, q sm_scale cannot overflow, and the scores overflow only where the partial sums of
+    # sm_scale q_d k_d do (docs/conventions.md, "Range").  [B, c, H, Dk]: small next to kv_g.
+    scores = ops.einsum("bshd,bsld->bshl", q_c * sm_scale, kv_g)
     H = dims.H
     valid4 = ops.reshape(valid, (B, c, 1, L))
     neg_inf = ops.full((1,), _NEG_INF, dt, q_c)
@@ -131,7 +136,9 @@ def mqa_latent_sparse_fwd_ref(
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` for an empty slot, else in
             ``[0, S_kv)``.
         sm_scale: multiplies ``q.k`` only (not the sink); finite and ``> 0``, also in float32
-            (:func:`checks.check_sm_scale`).
+            (:func:`checks.check_sm_scale`).  Applied to the query before the dot product, so
+            a raw ``q.k`` beyond the dtype's range does not overflow where the logits are
+            finite (``docs/conventions.md``, "Range of logits handled exactly").
         attn_sink: ``[H]`` float32/float64 sink logits (raw, not scaled), or ``None``; finite
             or ``-inf`` (that head has no sink), never NaN or ``+inf``.
         d_v: value width ``Dv``, ``1 <= d_v <= Dk``.
@@ -247,10 +254,13 @@ def _bwd(dims, query, kv, grad_out, attn_sink, token_indices, sm_scale, dtype):
         kv_g, safe, P, _, p_sink = _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims)
         v_g = kv_g[..., :Dv]
         out_c = ops.einsum("bshl,bsld->bshd", P, v_g)
-        delta = ops.sum(out_c * do_c, axis=-1)  # [B, c, H]
-        dP = ops.einsum("bshd,bsld->bshl", do_c, v_g)
         valid = idx_c >= 0
         zero = ops.zeros((1,), dtype, kv_c)
+        # Delta = <out, grad_out> is 0 in a row with no valid key (out = 0 there), also where
+        # that row's grad_out is not finite (not 0 * NaN): such a row adds 0 to d_sink
+        has_key = ops.reshape(ops.amax(ops.cast(valid, dtype), axis=-1) > 0, (B, c, 1))
+        delta = ops.where(has_key, ops.sum(out_c * do_c, axis=-1), zero)  # [B, c, H]
+        dP = ops.einsum("bshd,bsld->bshl", do_c, v_g)
         # 0 on -1 slots, not P * (...) = 0 * x: a NaN in a padding row's grad_out must not reach
         # dq's or dkv's -1 terms
         dS = ops.where(ops.reshape(valid, (B, c, 1, dims.L)),
