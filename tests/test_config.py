@@ -69,14 +69,6 @@ def test_bad_field_named(field, value):
         get_preset("deepseek_v32_small", **{field: value})
 
 
-def test_former_name_is_the_config():
-    """``MLAAttentionConfig`` stays one release, the same class (isinstance and messages)."""
-    from paddlefleet.tilelang_ops.attn.config import MLAAttentionConfig
-
-    assert MLAAttentionConfig is MQALatentAttentionConfig
-    assert isinstance(get_preset("deepseek_v32_small"), MLAAttentionConfig)
-
-
 @pytest.mark.parametrize("value", ["Sequence", "seq", "", None, 1, ["heads"]])
 def test_bad_attention_partition_names_the_field_and_the_choices(value):
     with pytest.raises(ValueError) as e:

@@ -125,16 +125,6 @@ def test_partial_requires_grad(rng, grads):
             assert np.isfinite(t.grad.numpy()).all() and np.abs(t.grad.numpy()).max() > 0
 
 
-def test_former_names_are_the_op():
-    """``sparse_mqa_attention`` and ``SparseMQAAttentionFunction`` stay for one release."""
-    from paddlefleet.tilelang_ops import attn
-    from paddlefleet.tilelang_ops.attn import op
-
-    assert op.sparse_mqa_attention is mqa_latent_sparse_attention
-    assert attn.sparse_mqa_attention is attn.mqa_latent_sparse_attention
-    assert op.SparseMQAAttentionFunction is MQALatentSparseAttentionFunction
-
-
 def test_backend_choice():
     assert resolve_backward_backend(None, "cpu") == "reference"
     assert resolve_backward_backend(None, "cuda") == "tilelang"

@@ -32,15 +32,6 @@ Inputs and tests (``checks``, ``indices``):
     varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
     cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
 
-Former names, deprecated until the next release:
-    sparse_mqa_attention        = mqa_latent_sparse_attention
-    MLAAttentionConfig          = MQALatentAttentionConfig
-    sparse_mqa_fwd_ref          = mqa_latent_sparse_fwd_ref
-    sparse_mqa_bwd_ref          the reference backward in its old argument order (warns)
-    validate_inputs             check_tensors + check_values in one call (warns)
-    (also ``op.SparseMQAAttentionFunction`` = ``op.MQALatentSparseAttentionFunction``, and the
-    LSE bridge imported from ``reference``)
-
 Every name is loaded on first use, so importing this package pulls in neither Paddle, PyTorch
 nor TileLang; ``help(name)`` documents each one (shapes, dtypes, errors).  The math is
 docs/conventions.md; the layer and op are docs/layer.md.
@@ -79,12 +70,6 @@ _EXPORTS = {
     "reduce_from_tensor_parallel": "tp",
     "all_to_all": "tp",
     "gather_from_tensor_parallel": "tp",
-    # former names, deprecated until the next release
-    "sparse_mqa_attention": "op",
-    "MLAAttentionConfig": "config",
-    "sparse_mqa_fwd_ref": "reference",
-    "sparse_mqa_bwd_ref": "reference",
-    "validate_inputs": "checks",
 }
 
 __all__ = sorted(_EXPORTS)

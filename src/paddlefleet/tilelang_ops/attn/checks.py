@@ -26,8 +26,7 @@ Two functions check the tensors of a sparse MQA-latent attention call (shapes an
 
 ``None`` for an optional tensor means "not given"; ``required`` names the optional tensors a
 caller needs (the backward needs ``grad_out``; the kernels' also ``out`` and ``lse``), and a
-missing one is a ``TypeError`` naming it.  :func:`validate_inputs`, both in one call, is the
-deprecated former interface.
+missing one is a ``TypeError`` naming it.
 
 Every message names the argument, what was expected and what was got.  The layout of the checks
 follows the usual entry-point style of attention kernels (ndim, device, dtype, shape).
@@ -43,7 +42,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -57,7 +55,6 @@ __all__ = [
     "check_values",
     "start_value_checks",
     "PendingValueChecks",
-    "validate_inputs",
     "check_sm_scale",
     "check_compute_dtype",
     "check_cu_seqlens",
@@ -402,42 +399,6 @@ def start_value_checks(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
             )
 
     return PendingValueChecks(finish, safe)
-
-
-def validate_inputs(
-    query: Any,
-    kv: Any,
-    token_indices: Any,
-    *,
-    attn_sink: Any = None,
-    d_v: int = 512,
-    out: Any = None,
-    grad_out: Any = None,
-    lse: Any = None,
-    float_dtypes: Iterable[str] | None = None,
-    device: str | None = None,
-    check_values: bool = True,
-    aux_float_dtypes: Iterable[str] = ("float32",),
-    required: Iterable[str] = (),
-) -> Dims:
-    """Deprecated (until the next release): :func:`check_tensors` with these arguments, then,
-    unless ``check_values=False``, :func:`check_values`.  ``d_v`` defaults to 512 here, as
-    before; pass ``d_v=None`` to take it from ``out`` / ``grad_out``.
-
-    Raises:
-        TypeError, ValueError: as the two functions.
-    """
-    warnings.warn("validate_inputs is deprecated; call check_tensors, then check_values",
-                  DeprecationWarning, stacklevel=2)
-    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
-                         grad_out=grad_out, lse=lse, float_dtypes=float_dtypes,
-                         aux_float_dtypes=aux_float_dtypes, device=device, required=required)
-    if check_values:
-        _check_values(dims, token_indices, attn_sink=attn_sink, lse=lse)
-    return dims
-
-
-_check_values = check_values  # validate_inputs' flag of the same name hides the function
 
 
 def check_sm_scale(sm_scale: Any) -> float:

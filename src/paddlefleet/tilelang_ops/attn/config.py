@@ -1,6 +1,6 @@
 """Model configuration for DeepSeek-V3.2-style MLA/DSA attention (:class:`MQALatentAttention`).
 
-:class:`MQALatentAttentionConfig` (formerly ``MLAAttentionConfig``, still an alias) holds the
+:class:`MQALatentAttentionConfig` holds the
 sizes of one attention block in the form the DeepSeek-V3 / V3.2 model configs publish them
 (``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
 ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``index_topk``) plus what this
@@ -29,7 +29,6 @@ from .checks import check_sm_scale
 
 __all__ = [
     "MQALatentAttentionConfig",
-    "MLAAttentionConfig",
     "ATTENTION_PARTITIONS",
     "BACKWARD_BACKENDS",
     "PRESETS",
@@ -240,10 +239,6 @@ class MQALatentAttentionConfig:
         """A copy with some fields changed (validated again; an unknown field is a
         ``ValueError`` naming it, as in :meth:`from_dict`)."""
         return type(self).from_dict({**self.to_dict(), **changes})
-
-
-#: Deprecated (until the next release): the config's former name.
-MLAAttentionConfig = MQALatentAttentionConfig
 
 
 def _read_json_object(path: str | os.PathLike) -> dict:

@@ -14,9 +14,6 @@ Inputs are checked once, when the op is called (on CUDA with the kernel wrapper'
 PyLayer then runs the wrapper's or the reference's unchecked bodies (``_fwd`` / ``_bwd``).
 
 The kernel module is imported lazily, on the CUDA path only, so CPU-only installs work.
-
-Former names, deprecated until the next release: ``sparse_mqa_attention`` and
-``SparseMQAAttentionFunction`` (the same objects).
 """
 
 from __future__ import annotations
@@ -42,8 +39,6 @@ __all__ = [
     "mqa_latent_sparse_attention",
     "MQALatentSparseAttentionFunction",
     "resolve_backward_backend",
-    "sparse_mqa_attention",
-    "SparseMQAAttentionFunction",
 ]
 
 
@@ -286,7 +281,3 @@ def mqa_latent_sparse_attention(
         query, kv, token_indices, attn_sink, sm_scale, dims, backend, device_kind
     )
 
-
-# Deprecated (until the next release): the former names of the op and its PyLayer.
-sparse_mqa_attention = mqa_latent_sparse_attention
-SparseMQAAttentionFunction = MQALatentSparseAttentionFunction

@@ -14,27 +14,20 @@ zero value of Xiao et al. (arXiv:2309.17453) and gpt-oss.
 
 Public functions:
     mqa_latent_sparse_fwd_ref, mqa_latent_sparse_bwd_ref (the arguments of the kernels'
-    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``, in the same order).  Deprecated
-    until the next release: ``sparse_mqa_fwd_ref`` (the forward's former name) and
-    ``sparse_mqa_bwd_ref`` (the backward in its old argument order).  The LSE bridge is
-    ``attn/lse.py`` (still importable from here).
+    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``, in the same order).  The LSE bridge
+    is ``attn/lse.py``.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from .adapter import ops_for
 from .checks import check_compute_dtype, check_sm_scale, check_tensors, check_values
-# The LSE bridge lives in .lse; re-exported here, where it was until 0.1 (deprecated).
-from .lse import lse_log2_sink_to_natural, lse_natural_to_log2_sink  # noqa: F401
 
 __all__ = [
     "mqa_latent_sparse_fwd_ref",
     "mqa_latent_sparse_bwd_ref",
-    "sparse_mqa_fwd_ref",
-    "sparse_mqa_bwd_ref",
 ]
 
 #: Bytes of per-row intermediates one chunk may hold (tests shrink it to force many chunks).
@@ -269,43 +262,3 @@ def _bwd(dims, query, kv, grad_out, attn_sink, token_indices, sm_scale, dtype):
             d_sink = d_sink - ops.sum(ops.reshape(p_sink * delta, (B * c, H)), axis=0)
     return dq, dkv, d_sink
 
-
-def sparse_mqa_bwd_ref(
-    query: Any,
-    kv: Any,
-    grad_out: Any,
-    token_indices: Any,
-    sm_scale: float,
-    attn_sink: Any = None,
-    d_v: int = 512,
-    dtype: str = "float32",
-):
-    """Deprecated: the reference backward in its old argument order; use
-    :func:`mqa_latent_sparse_bwd_ref`, whose arguments are the kernel's
-    (``query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale``).
-
-    Same results as ``mqa_latent_sparse_bwd_ref(query, kv, None, grad_out, None, attn_sink,
-    token_indices, sm_scale, dtype=dtype)``; ``d_v`` must equal ``grad_out``'s last dim.
-
-    Raises:
-        TypeError, ValueError: as :func:`mqa_latent_sparse_bwd_ref`.
-    """
-    warnings.warn(
-        "sparse_mqa_bwd_ref(query, kv, grad_out, token_indices, sm_scale, attn_sink) is "
-        "deprecated; call mqa_latent_sparse_bwd_ref(query, kv, out, grad_out, lse, attn_sink, "
-        "token_indices, sm_scale), the argument order of mqa_latent_sparse_bwd (out and lse "
-        "may be None)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    # d_v as before: checked against grad_out.
-    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
-                         grad_out=grad_out, float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX,
-                         required=("grad_out",))
-    check_values(dims, token_indices, attn_sink=attn_sink)
-    return _bwd(dims, query, kv, grad_out, attn_sink, token_indices, check_sm_scale(sm_scale),
-                check_compute_dtype(dtype))
-
-
-#: Deprecated (until the next release): the forward's former name.
-sparse_mqa_fwd_ref = mqa_latent_sparse_fwd_ref
