@@ -1,4 +1,5 @@
-"""CPU tests of the host wrappers in ``attn/interface.py`` (no GPU, no TileLang needed).
+"""CPU tests of the host wrappers in ``attn/interface.py`` and the exact dKV host algorithm in
+``attn/exact_dkv.py`` (no GPU, no TileLang needed).
 
 The wrappers' own logic (block_h / head plan, head padding and slicing, top-k padding with -1,
 index dtype, the LSE bridge, d_sink, the exact dKV grids and their re-run, input errors) runs on
@@ -26,7 +27,7 @@ from helpers import (
     to_numpy,
     to_tensor,
 )
-from paddlefleet.tilelang_ops.attn import interface, tiling
+from paddlefleet.tilelang_ops.attn import exact_dkv, interface, tiling
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
 from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
@@ -101,15 +102,15 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     finish = ("finish", plan.heads_per_cta, det)
     natural = lse_format == "natural"
     if not det and plan.heads_per_cta == 64:  # the preprocess fused into the atomic main
-        assert prov.calls[1:] == [head + ("atomic", True, ("pre", natural)), finish]
+        assert prov.calls[1:] == [head + (False, True, ("pre", natural)), finish]
         return
     if det:  # the preprocess with the grids (grid_rows), the first pass, the re-run plan, the
         # re-run of the keys over their bound: no separate preprocess
         assert prov.calls[1:] == [("grid_rows", natural), ("grid_scatter",), ("grid_keys",),
-                                  head + ("exact", True), ("rerun_plan",), ("rerun_slots",),
-                                  head + ("exact", False), finish]
+                                  head + (True, True), ("rerun_plan",), ("rerun_slots",),
+                                  head + (True, False), finish]
     else:
-        assert prov.calls[1:] == [("pre", natural), head + ("atomic", True), finish]
+        assert prov.calls[1:] == [("pre", natural), head + (False, True), finish]
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -117,8 +118,8 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
                                                  (100, False, "natural"), (64, False, "log2_sink")])
 def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monkeypatch):
     """The atomic backward on 64-head tiles launches no preprocess: its main kernel takes
-    ``pre`` (interface.FusedPreprocess) and writes Delta, lse2 and the rows' d_sink terms itself
-    (pad heads too: H=40 is one tile with 24 of them, H=100 two tiles with 28).  The gradients
+    ``pre`` (kernel_provider.FusedPreprocess) and writes Delta, lse2 and the rows' d_sink terms
+    itself (pad heads too: H=40 is one tile with 24 of them, H=100 two tiles with 28).  The gradients
     match the fp64 reference, and equal those of the separate preprocess
     (``FUSED_PREPROCESS = False``) bit for bit (the stand-in runs the same code both ways)."""
     q, kv, do, sk, idx = _case(fw, 2, 5, 70, H, 100, sink, seed=H + 7, empty_rows=(2,))
@@ -136,7 +137,7 @@ def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monk
     got = bwd()
     plan = tiling.head_plan(H)
     assert plan.heads_per_cta == 64 and (plan.padded_heads > H) == (H != 64)
-    head = ("main", 64, plan.padded_heads, 128, "atomic", True)
+    head = ("main", 64, plan.padded_heads, 128, False, True)
     assert prov.calls == [head + (("pre", natural),), ("finish", 64, False)]
     ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
     errs = (rel_l2(got[0], ref_dq), rel_l2(got[1], ref_dkv))
@@ -156,10 +157,10 @@ def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monk
 class _NoPre(CpuStandIn):
     """A provider whose ``bwd_main`` override has no ``pre`` parameter (an older custom one)."""
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                 dq, acc, bound, bound_exp):
-        super().bwd_main(m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                         dq, acc, bound, bound_exp)
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                 counts, dq, acc, bound, bound_exp):
+        super().bwd_main(m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                         counts, dq, acc, bound, bound_exp)
 
 
 class _NoTiles(CpuStandIn):
@@ -177,7 +178,7 @@ def test_providers_without_the_fused_preprocess_keep_the_separate_launch(fw, pro
     got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=False,
                                           provider=prov)
     assert [c[0] for c in prov.calls] == ["pre", "main", "finish"]
-    assert prov.calls[1] == ("main", 64, 64, 64, "atomic", True)
+    assert prov.calls[1] == ("main", 64, 64, 64, False, True)
     want = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=False,
                                            provider=CpuStandIn())
     for g, w in zip(got, want):
@@ -196,7 +197,7 @@ def test_exact_dkv_reruns_keys_over_their_bound(fw, margin, monkeypatch):
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
-    monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+    monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
     dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
     (rerun_max,) = prov.rerun_bounds
     assert 2**16 < rerun_max <= 2**24  # re-run keys land close under the bound, never over
@@ -235,7 +236,7 @@ def test_exact_dkv_refuses_more_rows_than_it_can_prove(fw, monkeypatch):
     q, kv, do, sk, idx = _case(fw, 1, 6, 64, 16, 64, True, seed=32)
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    monkeypatch.setattr(interface, "EXACT_BITS", 3)  # 2^2 = 4 < 6 rows per key
+    monkeypatch.setattr(exact_dkv, "EXACT_BITS", 3)  # 2^2 = 4 < 6 rows per key
     with pytest.raises(ValueError, match="rows may add to one key"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
 
@@ -406,8 +407,8 @@ def test_grid_estimate_takes_the_real_heads(fw, H, block_h):
     # contribution of its own to the bound; run 46: H=128 re-ran 83 keys without it)
     groups = tiling.head_plan(H, block_h).num_groups
     e = np.ceil(np.log2(np.where(est > 0, est, 1.0))) - frac + (
-        interface.GRID_MARGIN_BITS - interface.EXACT_BITS + (groups - 1).bit_length())
-    e = np.clip(e, *interface._GRID_EXP_RANGE)
+        exact_dkv.GRID_MARGIN_BITS - exact_dkv.EXACT_BITS + (groups - 1).bit_length())
+    e = np.clip(e, *exact_dkv.GRID_EXP_RANGE)
     # a different order of fp64 additions may move c_s by an ulp: a power-of-two step at most
     got_e = -np.log2(grids[0].astype(np.float64))
     assert np.abs(got_e - e).max() <= 1 and (got_e == e).mean() > 0.95
@@ -558,9 +559,9 @@ class _StandInWithStats(CpuStandIn):
         self._saw(idx)
         return super().fwd(m, q, kv, idx, *rest)
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, *rest, pre=None):
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, *rest, pre=None):
         self._saw(idx, None if with_dq else rest[4])  # rest[4]: counts
-        return super().bwd_main(m, mode, with_dq, q, kv, do, idx, *rest, pre=pre)
+        return super().bwd_main(m, deterministic, with_dq, q, kv, do, idx, *rest, pre=pre)
 
     def exact_grid_scatter(self, c_row, top, idx, est):
         self._saw(idx)
