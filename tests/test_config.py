@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from paddlefleet.tilelang_ops.attn.config import (
@@ -61,6 +62,9 @@ def test_small_preset_splits_over_eight_ranks():
         ("initializer_range", float("inf")),
         ("use_attn_sink", "yes"),
         ("backward_backend", "flash"),
+        ("deterministic", "yes"),
+        ("deterministic", 1),
+        ("deterministic", np.True_),
         ("qk_rope_head_dim", 15),
     ],
 )
@@ -142,6 +146,21 @@ def test_dict_round_trip_and_unknown_keys():
         MQALatentAttentionConfig.from_dict(data)
     with pytest.raises(TypeError):
         MQALatentAttentionConfig.from_dict([("hidden_size", 8)])
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_deterministic_round_trips(tmp_path, value):
+    """Issue 42: the backward's determinism is a config field (default None: Paddle's
+    FLAGS_cudnn_deterministic where set, else True), kept through dict, JSON and replace."""
+    assert get_preset("deepseek_v32").deterministic is None
+    cfg = get_preset("deepseek_v32_small", deterministic=value)
+    assert cfg.deterministic is value
+    assert MQALatentAttentionConfig.from_dict(cfg.to_dict()) == cfg
+    path = tmp_path / "cfg.json"
+    cfg.to_json_file(path)
+    assert json.loads(path.read_text())["deterministic"] is value
+    assert load_config(path).deterministic is value
+    assert cfg.replace(deterministic=not value).deterministic is (not value)
 
 
 def test_json_round_trip(tmp_path):

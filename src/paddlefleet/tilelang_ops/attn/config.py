@@ -4,7 +4,7 @@
 sizes of one attention block in the form the DeepSeek-V3 / V3.2 model configs publish them
 (``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
 ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``index_topk``) plus what this
-package adds (attention sink, backward backend, tensor-parallel degree).
+package adds (attention sink, backward backend, determinism, tensor-parallel degree).
 
 What the sparse kernel sees (absorbed MLA, MQA form; see docs/conventions.md):
     Dk = kv_lora_rank + qk_rope_head_dim   (576 for DeepSeek-V3.2: 512 latent + 64 rope)
@@ -78,6 +78,10 @@ class MQALatentAttentionConfig:
         use_attn_sink: learn a per-head sink logit (docs/conventions.md).
         backward_backend: ``"tilelang"``, ``"reference"`` or ``None`` (tilelang on CUDA,
             reference on CPU).
+        deterministic: the TileLang backward's dKV, passed to
+            :func:`~paddlefleet.tilelang_ops.attn.op.mqa_latent_sparse_attention`: ``True``
+            bitwise repeatable (exact per-key grids), ``False`` fp32 atomics, ``None`` Paddle's
+            ``FLAGS_cudnn_deterministic`` where the user set it, else ``True``.
         tensor_parallel_degree: ranks the heads are split over; must divide the heads.
         attention_partition: how the sparse attention core is split over those ranks:
             ``"heads"`` (default; each rank runs its ``H/TP`` heads on all ``S`` query rows) or
@@ -100,6 +104,7 @@ class MQALatentAttentionConfig:
     softmax_scale: float | None = None
     use_attn_sink: bool = True
     backward_backend: str | None = None
+    deterministic: bool | None = None
     tensor_parallel_degree: int = 1
     attention_partition: str = "heads"
     rope_theta: float = 10000.0
@@ -164,6 +169,11 @@ class MQALatentAttentionConfig:
                     f"MQALatentAttentionConfig.{name} must be a finite positive number, got "
                     f"{value!r}"
                 )
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise ValueError(
+                "MQALatentAttentionConfig.deterministic must be True, False or None, got "
+                f"{self.deterministic!r}"
+            )
         if not isinstance(self.use_attn_sink, bool):
             raise ValueError(
                 f"MQALatentAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
