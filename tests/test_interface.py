@@ -677,3 +677,68 @@ def test_readme_shows_the_wrappers_signatures():
             params.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
         want = f"{fn.__name__}({', '.join(params)})".replace("'", '"')
         assert want in re.sub(r"\( ", "(", text), want
+
+
+def test_providers_offer_the_protocol():
+    """``kernel_provider.KernelProvider`` describes what a provider must offer: the TileLang
+    provider and the CPU stand-in both do; the backward launchers take ``deterministic`` (one
+    name for that choice from the public API down)."""
+    from paddlefleet.tilelang_ops.attn import kernel_provider as kp
+
+    assert isinstance(kp.TileLangKernels(), kp.KernelProvider)
+    assert isinstance(CpuStandIn(), kp.KernelProvider)
+    assert not isinstance(object(), kp.KernelProvider)
+    assert kp.DEFAULT_PROVIDER.device == "cuda"
+    for cls in (kp.KernelProvider, kp.TileLangKernels):
+        for name in ("bwd_main", "bwd_finish"):
+            assert list(inspect.signature(getattr(cls, name)).parameters)[2] == "deterministic"
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_prepared_indices_are_checked_once_and_skip_every_check(fw, index_dtype, monkeypatch):
+    """``check_inputs`` checks a forward's inputs once and returns the indices as the kernels
+    read them (int32, ``L`` padded to a multiple of 64 with -1); the wrappers given that
+    ``PreparedIndices`` check and cast nothing, with the same results as on the tensor."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 70, True, seed=5, index_dtype=index_dtype)
+    prov = CpuStandIn()
+    prepared = interface.check_inputs(q, kv, idx, sk, provider=prov)
+    got = to_numpy(prepared.indices)
+    assert got.dtype == np.int32 and got.shape == (1, 4, 128)
+    np.testing.assert_array_equal(got[..., :70], to_numpy(idx))
+    assert (got[..., 70:] == -1).all() and prepared.cu_seqlens is None
+    assert prepared.dims == (interface.check_tensors(q, kv, idx, attn_sink=sk, d_v=512))
+    want_out, want_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    want = interface.mqa_latent_sparse_bwd(q, kv, want_out, do, want_lse, sk, idx, SM,
+                                           provider=prov)
+    calls = []  # (the stand-in's forward, the reference, checks its own arguments)
+    record_calls(monkeypatch, calls, interface, "check_tensors", "start_value_checks",
+                 "int32_indices")
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, prepared, SM, sk, provider=prov)
+    for det in (True, False):
+        got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, prepared, SM,
+                                              deterministic=det, provider=prov)
+        if det:
+            for a, b in zip((out, lse) + tuple(got), (want_out, want_lse) + tuple(want)):
+                np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+    assert calls == []
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_check_inputs_errors(fw):
+    """``check_inputs``: the forward's errors, and with ``cu_seqlens`` the packed checks."""
+    q, kv, do, sk, idx = _case(fw, 2, 4, 64, 8, 16, True, seed=6)
+    prov = CpuStandIn()
+    bad = to_numpy(idx).astype(np.int32)
+    bad[1, 3, 2] = 64
+    with pytest.raises(ValueError, match=r"^token_indices: expected values -1 .* \[-?\d+, 64\]"):
+        interface.check_inputs(q, kv, to_tensor(fw, bad, "int32"), sk, provider=prov)
+    with pytest.raises(TypeError, match="^d_v: expected a Python int"):
+        interface.check_inputs(q, kv, idx, sk, d_v=None, provider=prov)
+    with pytest.raises(ValueError, match="^query: expected a tensor on cuda"):
+        interface.check_inputs(q, kv, idx, sk)  # CPU tensors, the TileLang provider
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match=r"^query: packed documents \(cu_seqlens\) need B=1"):
+        interface.check_inputs(q, kv, idx, sk, cu_seqlens=cu, provider=prov)
+    with pytest.raises(ValueError, match=r"^kv: with cu_seqlens expected S_kv = S = 4"):
+        interface.check_inputs(q[:1], kv[:1], idx[:1], sk, cu_seqlens=cu, provider=prov)

@@ -15,7 +15,7 @@ The two LSE forms, any device (``lse``):
     lse_log2_sink_to_natural    and back
 
 Paddle training (``op``, ``config``, ``layer``, ``tp``):
-    mqa_latent_sparse_attention autograd op (paddle.autograd.PyLayer), cu_seqlens: packed docs
+    mqa_latent_sparse_attention autograd op (PyLayer); cu_seqlens: packed docs; deterministic
     MQALatentAttentionConfig    sizes of one attention block, validated when built
     get_preset, load_config     presets (deepseek_v32, deepseek_v32_small) or a JSON file
     MQALatentAttention          tensor-parallel attention layer (paddle.nn.Layer)
