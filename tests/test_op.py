@@ -264,6 +264,7 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
     _fake_interface(monkeypatch, check_inputs=fake_check, mqa_latent_sparse_fwd=fake_fwd,
                     mqa_latent_sparse_bwd=fake_bwd)
     _as_cuda(monkeypatch)
+    monkeypatch.delenv(DETERMINISM_FLAG, raising=False)  # the default: deterministic
     out, tq, tkv, tsk = _run_op(q, kv, idx, sk, grad, d_v, 0.1)
 
     fwd, bwd = calls["fwd"], calls["bwd"]
@@ -339,6 +340,7 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     with monkeypatch.context() as m:
         stand_in = _stand_in_kernels(m)
         _as_cuda(m)
+        m.delenv(DETERMINISM_FLAG, raising=False)  # the default: deterministic
         out = mqa_latent_sparse_attention(q16, kv16, paddle.to_tensor(idx), scale, tsk)
         assert out.dtype == paddle.bfloat16
         (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
