@@ -18,7 +18,7 @@ Helpers:
 * ``record_calls(monkeypatch, calls, module, *names)``: log the calls of a module's functions.
 * ``to_tensor(fw, array, dtype)`` / ``to_numpy(tensor)``: numpy to a ``fw`` tensor of a
   canonical dtype (``"bfloat16"`` included) and back (bf16 widened to fp32 first).
-* ``CpuStandIn``: a kernel provider for ``attn/interface.py`` whose launchers implement each
+* ``CpuStandIn``: a kernel provider (``attn/kernel_provider.py``) whose launchers implement each
   kernel's math in numpy (they take CPU or CUDA tensors: read to the host, written back).
 * ``extreme_logits_case()``: issue 9's input, every logit of a row about +-5.6e7.
 * ``distinct_indices(...)``, ``exact_first_pass_state(...)``: inputs of the exact dKV's
@@ -232,16 +232,16 @@ class CpuStandIn:
     """CPU stand-ins of the kernels (fwd, preprocess, main, finish and the exact dKV's
     bookkeeping): their math, in numpy.
 
-    A provider for ``attn/interface.py`` (``device = "cpu"``).  Each attention launcher checks
-    that it is handed a whole number of head tiles of ``heads_per_cta`` heads (16, 32 or 64) and
-    processes one tile at a time, as the kernels' CTAs do; the forward reuses the reference.
-    ``main`` in exact mode rounds each contribution onto its key's grid and adds ``max |k|`` into
-    ``bound`` as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the
+    A ``KernelProvider`` (``attn/kernel_provider.py``; ``device = "cpu"``).  Each attention
+    launcher checks that it is handed a whole number of head tiles of ``heads_per_cta`` heads
+    (16, 32 or 64) and processes one tile at a time, as the kernels' CTAs do; the forward reuses
+    the reference.  ``main`` with ``deterministic`` rounds each contribution onto its key's grid
+    and adds ``max |k|`` into ``bound`` as the kernel does; ``rerun_bounds`` keeps, per re-run (``with_dq=False``) call, the
     largest bound a re-run key reached in that call alone.  The ``exact_*`` launchers are the
     formulas of ``kernels/exact_grid.py`` in fp64 numpy (sums in numpy's order: ``grid_rows``
     agrees with the kernel to rounding, the others exactly).  ``calls`` lists every launch.
     Like the CUDA provider it lists the 64-head tile in ``fused_preprocess_tiles``: its
-    ``bwd_main`` then takes ``pre`` (``interface.FusedPreprocess``) and computes the
+    ``bwd_main`` then takes ``pre`` (``kernel_provider.FusedPreprocess``) and computes the
     preprocess's outputs itself (the same code as ``bwd_preprocess``), checking the shapes the
     fused kernel takes; the call is logged with ``("pre", natural)`` appended.
     """
@@ -303,7 +303,7 @@ class CpuStandIn:
         _write(lse2, L2)
         _write(d_sink_rows, DS)
 
-    def _fused_preprocess(self, m, mode, with_dq, do, lse2, delta, pre):
+    def _fused_preprocess(self, m, deterministic, with_dq, do, lse2, delta, pre):
         # the fused kernel's prologue (sparse_bwd._two_warpgroups, fused): its argument shapes
         # checked, lse2 / delta / pre.d_sink_rows written from pre.out, dO's real heads, pre.lse
         # and pre.sink
@@ -322,23 +322,23 @@ class CpuStandIn:
         _write(lse2, L2.reshape(B, S, h_pad))
         _write(pre.d_sink_rows, DS.reshape(B, S, h_pad))
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                 dq, acc, bound, bound_exp, pre=None):
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                 counts, dq, acc, bound, bound_exp, pre=None):
         if pre is not None:
-            self._fused_preprocess(m, mode, with_dq, do, lse2, delta, pre)
+            self._fused_preprocess(m, deterministic, with_dq, do, lse2, delta, pre)
         Q, KV = to_numpy(q).astype(np.float64), to_numpy(kv).astype(np.float64)
         DO, I = to_numpy(do), to_numpy(idx)
         LSE2, DEL, ACC = to_numpy(lse2), to_numpy(delta), to_numpy(acc)
         sm = float(to_numpy(scale)[0])
         B, S, h_pad, _ = Q.shape
         dv = DO.shape[-1]
-        self.calls.append(("main", m, h_pad, I.shape[-1], mode, with_dq)
+        self.calls.append(("main", m, h_pad, I.shape[-1], deterministic, with_dq)
                           + (() if pre is None else (("pre", bool(pre.natural)),)))
-        assert mode in ("atomic", "exact") and (with_dq or mode == "exact")
+        assert isinstance(deterministic, bool) and (with_dq or deterministic)
         valid = I >= 0
         if not with_dq:  # only the first counts[b, s] slots of each row
             valid &= np.arange(I.shape[-1]) < to_numpy(counts)[:, :, None]
-        if mode == "exact":
+        if deterministic:
             INV = to_numpy(inv_grid).astype(np.float64)
             BOUND, BEXP = to_numpy(bound), to_numpy(bound_exp)
             before = BOUND.copy()
@@ -356,7 +356,7 @@ class CpuStandIn:
             contrib[..., :dv] += np.einsum("bshl,bshd->bsld", P, DO[:, :, sl])
             for b in range(B):
                 rows, c = I[b][valid[b]], contrib[b][valid[b]]
-                if mode == "exact":
+                if deterministic:
                     x = (c * INV[b][rows][:, None]).astype(np.float32)  # grid units
                     np.add.at(ACC[b], rows, np.rint(x))
                     u = np.abs(x).max(-1).astype(np.float64)  # before the rounding
@@ -372,7 +372,7 @@ class CpuStandIn:
         if with_dq:
             _write(dq, dQ)
         _write(acc, ACC)
-        if mode == "exact":
+        if deterministic:
             _write(bound, BOUND)
             _write(bound_exp, BEXP)
             if not with_dq:
@@ -381,11 +381,11 @@ class CpuStandIn:
                     rerun[b, I[b][valid[b]]] = True
                 self.rerun_bounds.append(int((BOUND - before)[rerun].max(initial=0)))
 
-    def bwd_finish(self, m, scaled, acc, inv_grid, dkv):
+    def bwd_finish(self, m, deterministic, acc, inv_grid, dkv):
         # the stand-in keeps the accumulator's columns in their real order
-        self.calls.append(("finish", m, scaled))
+        self.calls.append(("finish", m, deterministic))
         ACC = to_numpy(acc).astype(np.float64)
-        if scaled:
+        if deterministic:  # acc is in grid units
             ACC = ACC / to_numpy(inv_grid).astype(np.float64)[..., None]
         _write(dkv, ACC.astype(np.float32))  # exact: acc times a power of two
 

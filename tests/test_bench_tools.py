@@ -712,10 +712,10 @@ def test_stage_timing_through_the_interface_on_cpu(monkeypatch, margin):
     and the exact dKV's statistics count the keys of the inputs (all of them re-run when the first
     pass's grid is 2^40 too fine)."""
     torch = pytest.importorskip("torch")
-    from paddlefleet.tilelang_ops.attn import interface
+    from paddlefleet.tilelang_ops.attn import exact_dkv
 
     if margin is not None:
-        monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+        monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
     clock = harness.Clock()
     s = model.Shape("t", 1, 8, 24, 16, 8)
     sets = bench.make_input_sets(torch, s, "cpu")

@@ -16,7 +16,6 @@ from paddlefleet.tilelang_ops.attn.checks import (
     check_sm_scale,
     check_tensors,
     check_values,
-    validate_inputs,
 )
 
 B, S, H, DK, DV, S_KV, L = 2, 3, 4, 24, 16, 7, 5
@@ -238,20 +237,6 @@ def test_dv_from_out_else_grad_out(good):
         call(dict(good, out=wide, grad_out=wide), d_v=None)
     with pytest.raises(TypeError, match=r"^d_v: expected a Python int \(or out / grad_out"):
         call(dict(good, out=None, grad_out=None), d_v=None)
-
-
-def test_validate_inputs_is_deprecated(good):
-    """The former one-call interface: check_tensors then check_values, with a warning."""
-    a = dict(good)
-    q, kv, idx = a.pop("query"), a.pop("kv"), a.pop("token_indices")
-    with pytest.warns(DeprecationWarning, match="check_tensors, then check_values"):
-        assert validate_inputs(q, kv, idx, d_v=DV, **a) == call(good)
-    bad = good["token_indices"].numpy().copy()
-    bad[0, 1, 2] = S_KV
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="^token_indices"):
-        validate_inputs(q, kv, T(bad), d_v=DV, **a)
-    with pytest.warns(DeprecationWarning):
-        assert validate_inputs(q, kv, T(bad), d_v=DV, check_values=False, **a).S_kv == S_KV
 
 
 @pytest.mark.parametrize("value,got", [(-2, r"\[-2, "), (S_KV, rf", {S_KV}\]")])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from paddlefleet.tilelang_ops.attn.config import (
@@ -62,20 +63,15 @@ def test_small_preset_splits_over_eight_ranks():
         ("initializer_range", float("inf")),
         ("use_attn_sink", "yes"),
         ("backward_backend", "flash"),
+        ("deterministic", "yes"),
+        ("deterministic", 1),
+        ("deterministic", np.True_),
         ("qk_rope_head_dim", 15),
     ],
 )
 def test_bad_field_named(field, value):
     with pytest.raises(ValueError, match=rf"MQALatentAttentionConfig\.{field}"):
         get_preset("deepseek_v32_small", **{field: value})
-
-
-def test_former_name_is_the_config():
-    """``MLAAttentionConfig`` stays one release, the same class (isinstance and messages)."""
-    from paddlefleet.tilelang_ops.attn.config import MLAAttentionConfig
-
-    assert MLAAttentionConfig is MQALatentAttentionConfig
-    assert isinstance(get_preset("deepseek_v32_small"), MLAAttentionConfig)
 
 
 @pytest.mark.parametrize("value", ["Sequence", "seq", "", None, 1, ["heads"]])
@@ -151,6 +147,21 @@ def test_dict_round_trip_and_unknown_keys():
         MQALatentAttentionConfig.from_dict(data)
     with pytest.raises(TypeError):
         MQALatentAttentionConfig.from_dict([("hidden_size", 8)])
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_deterministic_round_trips(tmp_path, value):
+    """Issue 42: the backward's determinism is a config field (default None: Paddle's
+    FLAGS_cudnn_deterministic where set, else True), kept through dict, JSON and replace."""
+    assert get_preset("deepseek_v32").deterministic is None
+    cfg = get_preset("deepseek_v32_small", deterministic=value)
+    assert cfg.deterministic is value
+    assert MQALatentAttentionConfig.from_dict(cfg.to_dict()) == cfg
+    path = tmp_path / "cfg.json"
+    cfg.to_json_file(path)
+    assert json.loads(path.read_text())["deterministic"] is value
+    assert load_config(path).deterministic is value
+    assert cfg.replace(deterministic=not value).deterministic is (not value)
 
 
 def test_json_round_trip(tmp_path):

@@ -25,12 +25,12 @@ from helpers import (
     to_numpy,
     to_tensor,
 )
-from paddlefleet.tilelang_ops.attn import interface
+from paddlefleet.tilelang_ops.attn import exact_dkv, interface
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 
 DK, DV = 576, 512
 SM = DK ** -0.5
-EXACT, COARSE = interface.EXACT_BITS, interface.RERUN_COARSE_BITS
+EXACT, COARSE = exact_dkv.EXACT_BITS, exact_dkv.RERUN_COARSE_BITS
 POISON = 12345  # in idx2 / counts before a launch: still there = not written
 
 
@@ -93,7 +93,7 @@ def _framework_grid(ops, c_row, idx, s_kv, margin):
     est_f = ops.cast(est, "float64")
     e = ops.ceil(ops.log2(ops.where(est_f > 0, est_f, ops.full((1,), 1.0, "float64", est_f))))
     e = e - ops.cast(frac_bits, "float64") + float(margin - EXACT)
-    e = e.clip(*interface._GRID_EXP_RANGE)
+    e = e.clip(*exact_dkv.GRID_EXP_RANGE)
     inv_grid = ops.ldexp(ops.full((b, s_kv), 1.0, "float32", c_row), ops.cast(-e, "int32"))
     return est, e, inv_grid
 
@@ -155,7 +155,7 @@ def _launch_grid(prov, ops, q, do, kv, idx, margin, h_pad=None):
     est = ops.zeros((b, s_kv), "int64", idx)
     prov.exact_grid_scatter(c_row, top, idx, est)
     inv = ops.empty((b, s_kv), "float32", idx)
-    prov.exact_grid_keys(est, top, inv, margin - EXACT, *interface._GRID_EXP_RANGE)
+    prov.exact_grid_keys(est, top, inv, margin - EXACT, *exact_dkv.GRID_EXP_RANGE)
     return c_row, to_numpy(est), to_numpy(inv)
 
 
@@ -191,7 +191,7 @@ def test_grid_rows_is_the_framework_formula(fw, rng, scale):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("margin", [interface.GRID_MARGIN_BITS, -40, -20, 12])
+@pytest.mark.parametrize("margin", [exact_dkv.GRID_MARGIN_BITS, -40, -20, 12])
 @pytest.mark.parametrize("top_exp", [0, -120, 40, 170])
 def test_grid_scatter_and_keys_are_the_framework_formula(fw, rng, margin, top_exp):
     """est (int64 fixed point) and the grids from a given c_row: exactly the former framework
@@ -210,7 +210,7 @@ def test_grid_scatter_and_keys_are_the_framework_formula(fw, rng, margin, top_ex
     est = ops.zeros((B, S_kv), "int64", c_row)
     prov.exact_grid_scatter(c_row, top, idx_t, est)
     inv = ops.empty((B, S_kv), "float32", c_row)
-    prov.exact_grid_keys(est, top, inv, margin - EXACT, *interface._GRID_EXP_RANGE)
+    prov.exact_grid_keys(est, top, inv, margin - EXACT, *exact_dkv.GRID_EXP_RANGE)
     ref_est, ref_e, ref_inv = _framework_grid(ops, c_row, idx_t, S_kv, margin)
     assert np.array_equal(to_numpy(est), to_numpy(ref_est))
     assert not to_numpy(est)[:, 50:].any()
@@ -395,19 +395,19 @@ class _Capture(CpuStandIn):
         super().exact_rerun_plan(*args)
         self.any_over = to_numpy(args[5]).copy()
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                 dq, acc, bound, bound_exp):
-        if mode == "exact" and not with_dq:
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                 counts, dq, acc, bound, bound_exp):
+        if deterministic and not with_dq:
             self.rerun_in = [to_numpy(x).copy() for x in (inv_grid, acc, idx, counts)]
-        if mode == "exact" and with_dq:
+        if deterministic and with_dq:
             self.first_in = to_numpy(inv_grid).copy()
-        super().bwd_main(m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                         dq, acc, bound, bound_exp)
-        if mode == "exact" and with_dq:
+        super().bwd_main(m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                         counts, dq, acc, bound, bound_exp)
+        if deterministic and with_dq:
             self.first_out = [to_numpy(x).copy() for x in (bound, bound_exp, inv_grid, acc, idx)]
 
 
-@pytest.mark.parametrize("margin", [interface.GRID_MARGIN_BITS, -40, -20, -10, 12])
+@pytest.mark.parametrize("margin", [exact_dkv.GRID_MARGIN_BITS, -40, -20, -10, 12])
 def test_exact_dkv_bookkeeping_is_the_framework_code(fw, margin, monkeypatch):
     """The deterministic backward through the stand-ins with first-pass grids as guessed, far
     too fine (-40: every u clamped; -20, -10) and far too coarse (+12): its first-pass grids are
@@ -424,7 +424,7 @@ def test_exact_dkv_bookkeeping_is_the_framework_code(fw, margin, monkeypatch):
     idx = fw.t(idx_np)
     prov = _Capture()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sink, provider=prov)
-    monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+    monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
     interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM, provider=prov)
     ops = ops_for(q)
 

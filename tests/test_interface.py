@@ -1,4 +1,5 @@
-"""CPU tests of the host wrappers in ``attn/interface.py`` (no GPU, no TileLang needed).
+"""CPU tests of the host wrappers in ``attn/interface.py`` and the exact dKV host algorithm in
+``attn/exact_dkv.py`` (no GPU, no TileLang needed).
 
 The wrappers' own logic (block_h / head plan, head padding and slicing, top-k padding with -1,
 index dtype, the LSE bridge, d_sink, the exact dKV grids and their re-run, input errors) runs on
@@ -26,7 +27,7 @@ from helpers import (
     to_numpy,
     to_tensor,
 )
-from paddlefleet.tilelang_ops.attn import interface, tiling
+from paddlefleet.tilelang_ops.attn import exact_dkv, interface, tiling
 from paddlefleet.tilelang_ops.attn.adapter import ops_for
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices
 from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
@@ -101,15 +102,15 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
     finish = ("finish", plan.heads_per_cta, det)
     natural = lse_format == "natural"
     if not det and plan.heads_per_cta == 64:  # the preprocess fused into the atomic main
-        assert prov.calls[1:] == [head + ("atomic", True, ("pre", natural)), finish]
+        assert prov.calls[1:] == [head + (False, True, ("pre", natural)), finish]
         return
     if det:  # the preprocess with the grids (grid_rows), the first pass, the re-run plan, the
         # re-run of the keys over their bound: no separate preprocess
         assert prov.calls[1:] == [("grid_rows", natural), ("grid_scatter",), ("grid_keys",),
-                                  head + ("exact", True), ("rerun_plan",), ("rerun_slots",),
-                                  head + ("exact", False), finish]
+                                  head + (True, True), ("rerun_plan",), ("rerun_slots",),
+                                  head + (True, False), finish]
     else:
-        assert prov.calls[1:] == [("pre", natural), head + ("atomic", True), finish]
+        assert prov.calls[1:] == [("pre", natural), head + (False, True), finish]
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -117,8 +118,8 @@ def test_bwd_through_stand_in_matches_reference(fw, det, H, sink, lse_format):
                                                  (100, False, "natural"), (64, False, "log2_sink")])
 def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monkeypatch):
     """The atomic backward on 64-head tiles launches no preprocess: its main kernel takes
-    ``pre`` (interface.FusedPreprocess) and writes Delta, lse2 and the rows' d_sink terms itself
-    (pad heads too: H=40 is one tile with 24 of them, H=100 two tiles with 28).  The gradients
+    ``pre`` (kernel_provider.FusedPreprocess) and writes Delta, lse2 and the rows' d_sink terms
+    itself (pad heads too: H=40 is one tile with 24 of them, H=100 two tiles with 28).  The gradients
     match the fp64 reference, and equal those of the separate preprocess
     (``FUSED_PREPROCESS = False``) bit for bit (the stand-in runs the same code both ways)."""
     q, kv, do, sk, idx = _case(fw, 2, 5, 70, H, 100, sink, seed=H + 7, empty_rows=(2,))
@@ -136,7 +137,7 @@ def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monk
     got = bwd()
     plan = tiling.head_plan(H)
     assert plan.heads_per_cta == 64 and (plan.padded_heads > H) == (H != 64)
-    head = ("main", 64, plan.padded_heads, 128, "atomic", True)
+    head = ("main", 64, plan.padded_heads, 128, False, True)
     assert prov.calls == [head + (("pre", natural),), ("finish", 64, False)]
     ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
     errs = (rel_l2(got[0], ref_dq), rel_l2(got[1], ref_dkv))
@@ -156,10 +157,10 @@ def test_atomic_bwd_fuses_the_preprocess_into_main(fw, H, sink, lse_format, monk
 class _NoPre(CpuStandIn):
     """A provider whose ``bwd_main`` override has no ``pre`` parameter (an older custom one)."""
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                 dq, acc, bound, bound_exp):
-        super().bwd_main(m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                         dq, acc, bound, bound_exp)
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                 counts, dq, acc, bound, bound_exp):
+        super().bwd_main(m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                         counts, dq, acc, bound, bound_exp)
 
 
 class _NoTiles(CpuStandIn):
@@ -177,7 +178,7 @@ def test_providers_without_the_fused_preprocess_keep_the_separate_launch(fw, pro
     got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=False,
                                           provider=prov)
     assert [c[0] for c in prov.calls] == ["pre", "main", "finish"]
-    assert prov.calls[1] == ("main", 64, 64, 64, "atomic", True)
+    assert prov.calls[1] == ("main", 64, 64, 64, False, True)
     want = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, deterministic=False,
                                            provider=CpuStandIn())
     for g, w in zip(got, want):
@@ -196,7 +197,7 @@ def test_exact_dkv_reruns_keys_over_their_bound(fw, margin, monkeypatch):
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
     ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sk, idx, SM)
-    monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+    monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
     dq, dkv, _ = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
     (rerun_max,) = prov.rerun_bounds
     assert 2**16 < rerun_max <= 2**24  # re-run keys land close under the bound, never over
@@ -235,7 +236,7 @@ def test_exact_dkv_refuses_more_rows_than_it_can_prove(fw, monkeypatch):
     q, kv, do, sk, idx = _case(fw, 1, 6, 64, 16, 64, True, seed=32)
     prov = CpuStandIn()
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
-    monkeypatch.setattr(interface, "EXACT_BITS", 3)  # 2^2 = 4 < 6 rows per key
+    monkeypatch.setattr(exact_dkv, "EXACT_BITS", 3)  # 2^2 = 4 < 6 rows per key
     with pytest.raises(ValueError, match="rows may add to one key"):
         interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, idx, SM, provider=prov)
 
@@ -406,8 +407,8 @@ def test_grid_estimate_takes_the_real_heads(fw, H, block_h):
     # contribution of its own to the bound; run 46: H=128 re-ran 83 keys without it)
     groups = tiling.head_plan(H, block_h).num_groups
     e = np.ceil(np.log2(np.where(est > 0, est, 1.0))) - frac + (
-        interface.GRID_MARGIN_BITS - interface.EXACT_BITS + (groups - 1).bit_length())
-    e = np.clip(e, *interface._GRID_EXP_RANGE)
+        exact_dkv.GRID_MARGIN_BITS - exact_dkv.EXACT_BITS + (groups - 1).bit_length())
+    e = np.clip(e, *exact_dkv.GRID_EXP_RANGE)
     # a different order of fp64 additions may move c_s by an ulp: a power-of-two step at most
     got_e = -np.log2(grids[0].astype(np.float64))
     assert np.abs(got_e - e).max() <= 1 and (got_e == e).mean() > 0.95
@@ -558,9 +559,9 @@ class _StandInWithStats(CpuStandIn):
         self._saw(idx)
         return super().fwd(m, q, kv, idx, *rest)
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, *rest, pre=None):
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, *rest, pre=None):
         self._saw(idx, None if with_dq else rest[4])  # rest[4]: counts
-        return super().bwd_main(m, mode, with_dq, q, kv, do, idx, *rest, pre=pre)
+        return super().bwd_main(m, deterministic, with_dq, q, kv, do, idx, *rest, pre=pre)
 
     def exact_grid_scatter(self, c_row, top, idx, est):
         self._saw(idx)
@@ -676,3 +677,68 @@ def test_readme_shows_the_wrappers_signatures():
             params.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
         want = f"{fn.__name__}({', '.join(params)})".replace("'", '"')
         assert want in re.sub(r"\( ", "(", text), want
+
+
+def test_providers_offer_the_protocol():
+    """``kernel_provider.KernelProvider`` describes what a provider must offer: the TileLang
+    provider and the CPU stand-in both do; the backward launchers take ``deterministic`` (one
+    name for that choice from the public API down)."""
+    from paddlefleet.tilelang_ops.attn import kernel_provider as kp
+
+    assert isinstance(kp.TileLangKernels(), kp.KernelProvider)
+    assert isinstance(CpuStandIn(), kp.KernelProvider)
+    assert not isinstance(object(), kp.KernelProvider)
+    assert kp.DEFAULT_PROVIDER.device == "cuda"
+    for cls in (kp.KernelProvider, kp.TileLangKernels):
+        for name in ("bwd_main", "bwd_finish"):
+            assert list(inspect.signature(getattr(cls, name)).parameters)[2] == "deterministic"
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_prepared_indices_are_checked_once_and_skip_every_check(fw, index_dtype, monkeypatch):
+    """``check_inputs`` checks a forward's inputs once and returns the indices as the kernels
+    read them (int32, ``L`` padded to a multiple of 64 with -1); the wrappers given that
+    ``PreparedIndices`` check and cast nothing, with the same results as on the tensor."""
+    q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 70, True, seed=5, index_dtype=index_dtype)
+    prov = CpuStandIn()
+    prepared = interface.check_inputs(q, kv, idx, sk, provider=prov)
+    got = to_numpy(prepared.indices)
+    assert got.dtype == np.int32 and got.shape == (1, 4, 128)
+    np.testing.assert_array_equal(got[..., :70], to_numpy(idx))
+    assert (got[..., 70:] == -1).all() and prepared.cu_seqlens is None
+    assert prepared.dims == (interface.check_tensors(q, kv, idx, attn_sink=sk, d_v=512))
+    want_out, want_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM, sk, provider=prov)
+    want = interface.mqa_latent_sparse_bwd(q, kv, want_out, do, want_lse, sk, idx, SM,
+                                           provider=prov)
+    calls = []  # (the stand-in's forward, the reference, checks its own arguments)
+    record_calls(monkeypatch, calls, interface, "check_tensors", "start_value_checks",
+                 "int32_indices")
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, prepared, SM, sk, provider=prov)
+    for det in (True, False):
+        got = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sk, prepared, SM,
+                                              deterministic=det, provider=prov)
+        if det:
+            for a, b in zip((out, lse) + tuple(got), (want_out, want_lse) + tuple(want)):
+                np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+    assert calls == []
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_check_inputs_errors(fw):
+    """``check_inputs``: the forward's errors, and with ``cu_seqlens`` the packed checks."""
+    q, kv, do, sk, idx = _case(fw, 2, 4, 64, 8, 16, True, seed=6)
+    prov = CpuStandIn()
+    bad = to_numpy(idx).astype(np.int32)
+    bad[1, 3, 2] = 64
+    with pytest.raises(ValueError, match=r"^token_indices: expected values -1 .* \[-?\d+, 64\]"):
+        interface.check_inputs(q, kv, to_tensor(fw, bad, "int32"), sk, provider=prov)
+    with pytest.raises(TypeError, match="^d_v: expected a Python int"):
+        interface.check_inputs(q, kv, idx, sk, d_v=None, provider=prov)
+    with pytest.raises(ValueError, match="^query: expected a tensor on cuda"):
+        interface.check_inputs(q, kv, idx, sk)  # CPU tensors, the TileLang provider
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match=r"^query: packed documents \(cu_seqlens\) need B=1"):
+        interface.check_inputs(q, kv, idx, sk, cu_seqlens=cu, provider=prov)
+    with pytest.raises(ValueError, match=r"^kv: with cu_seqlens expected S_kv = S = 4"):
+        interface.check_inputs(q[:1], kv[:1], idx[:1], sk, cu_seqlens=cu, provider=prov)

@@ -468,6 +468,27 @@ def test_sequence_partition_on_one_rank_is_the_heads_path(rng, sink, packed):
         np.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
 
 
+@pytest.mark.parametrize("partition", ["heads", "sequence"])
+@pytest.mark.parametrize("deterministic", [None, True, False])
+def test_config_deterministic_reaches_the_op(rng, monkeypatch, partition, deterministic):
+    """Issue 42: ``MQALatentAttentionConfig.deterministic`` is what the layer hands the op."""
+    from paddlefleet.tilelang_ops.attn import layer as layer_mod
+
+    seen = []
+    real = layer_mod.mqa_latent_sparse_attention
+
+    def op(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_mod, "mqa_latent_sparse_attention", op)
+    cfg, full, x, idx, _ = _case(rng, B=1, S=12, topk=4)
+    layer = MQALatentAttention(cfg.replace(attention_partition=partition,
+                                           deterministic=deterministic))
+    layer(paddle.to_tensor(x), paddle.to_tensor(idx))
+    assert seen == [deterministic]
+
+
 def test_sequence_partition_checks_index_values_before_the_core(rng):
     cfg, full, x, idx, _ = _case(rng, B=1, S=12, topk=4)
     layer = MQALatentAttention(cfg.replace(attention_partition="sequence"))

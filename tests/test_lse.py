@@ -98,10 +98,3 @@ def test_lse_bridge_keeps_nan_sink_nan(fw, rng):
     others = np.delete(back, 2, axis=-1)
     assert not np.isnan(others).any()
 
-
-def test_reference_still_exports_the_bridge():
-    """Until 0.1 the bridge lived in attn/reference.py; the names stay importable from there."""
-    from paddlefleet.tilelang_ops.attn import lse, reference
-
-    assert reference.lse_natural_to_log2_sink is lse.lse_natural_to_log2_sink
-    assert reference.lse_log2_sink_to_natural is lse.lse_log2_sink_to_natural

@@ -18,15 +18,16 @@ import pytest
 paddle = pytest.importorskip("paddle")  # the GPU host's torch-only env skips this module
 from helpers import CpuStandIn, record_calls, rel_l2
 
-from paddlefleet.tilelang_ops.attn.checks import check_tensors, check_values
+from paddlefleet.tilelang_ops.attn.checks import check_tensors, prepare_indices
 from paddlefleet.tilelang_ops.attn.indices import (
     cu_seqlens_from_lengths,
     varlen_causal_topk_indices,
 )
 from paddlefleet.tilelang_ops.attn.op import (
-    MQALatentSparseAttentionFunction,
+    DETERMINISM_FLAG,
     mqa_latent_sparse_attention,
     resolve_backward_backend,
+    resolve_deterministic,
 )
 from paddlefleet.tilelang_ops.attn.reference import (
     mqa_latent_sparse_bwd_ref,
@@ -125,16 +126,6 @@ def test_partial_requires_grad(rng, grads):
             assert np.isfinite(t.grad.numpy()).all() and np.abs(t.grad.numpy()).max() > 0
 
 
-def test_former_names_are_the_op():
-    """``sparse_mqa_attention`` and ``SparseMQAAttentionFunction`` stay for one release."""
-    from paddlefleet.tilelang_ops import attn
-    from paddlefleet.tilelang_ops.attn import op
-
-    assert op.sparse_mqa_attention is mqa_latent_sparse_attention
-    assert attn.sparse_mqa_attention is attn.mqa_latent_sparse_attention
-    assert op.SparseMQAAttentionFunction is MQALatentSparseAttentionFunction
-
-
 def test_backend_choice():
     assert resolve_backward_backend(None, "cpu") == "reference"
     assert resolve_backward_backend(None, "cuda") == "tilelang"
@@ -213,50 +204,75 @@ def test_float64_inputs_computed_in_float64(rng):
 def _fake_interface(monkeypatch, **functions):
     """A stand-in for ``attn/interface.py`` in ``sys.modules``, where the op imports it from."""
     fake = types.ModuleType("paddlefleet.tilelang_ops.attn.interface")
-    fake._DEFAULT_PROVIDER = "provider"
     for name, fn in functions.items():
         setattr(fake, name, fn)
     monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", fake)
 
 
+def _as_cuda(monkeypatch):
+    """The op sees its (CPU) tensors as CUDA ones: its CUDA path runs here (no Paddle GPU
+    build); the wrappers behind it are the real ones or stand-ins, their tensors CPU ones."""
+    from paddlefleet.tilelang_ops.attn import op as op_mod
+
+    real_ops_for = op_mod.ops_for
+
+    def cuda_ops_for(*ts):
+        ops = real_ops_for(*ts)
+        ops = types.SimpleNamespace(**{k: getattr(ops, k)
+                                       for k in ("name", "dtype", "cast", "contiguous")})
+        ops.device_kind = lambda t: "cuda"
+        return ops
+
+    monkeypatch.setattr(op_mod, "ops_for", cuda_ops_for)
+
+
+def _stand_in_kernels(monkeypatch):
+    """The real wrappers (``interface.py``) with ``helpers.CpuStandIn`` as their default kernel
+    provider."""
+    from paddlefleet.tilelang_ops.attn import interface, kernel_provider
+
+    stand_in = CpuStandIn()
+    monkeypatch.setattr(kernel_provider, "DEFAULT_PROVIDER", stand_in)
+    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", interface)
+    return stand_in
+
+
 def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
-    """The CUDA path (run here with a stand-in for ``interface``, since no Paddle GPU build is
-    available): the backward gets the forward's own out, natural-log LSE, indices and sizes,
-    asks for the deterministic kernel, and its gradients reach the right inputs."""
+    """The CUDA path through the wrappers' public entry points (a stand-in ``interface``): one
+    ``check_inputs``, whose ``PreparedIndices`` the forward and the backward get in place of
+    the indices; the backward gets the forward's own out and natural-log LSE, asks for the
+    deterministic kernel, and its gradients reach the right inputs."""
     q, kv, idx, sk, grad, d_v = _inputs(rng)
     calls = {}
 
-    def fake_fwd(provider, dims, query, kv_, token_indices, sm_scale, attn_sink, block_h):
-        out, lse = mqa_latent_sparse_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
-        calls["fwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
-                            provider=provider, dims=dims, block_h=block_h)
+    def fake_check(query, kv_, token_indices, attn_sink, *, d_v, cu_seqlens):
+        assert cu_seqlens is None
+        dims = check_tensors(query, kv_, token_indices, attn_sink=attn_sink, d_v=d_v)
+        calls["check"] = prepare_indices(dims, token_indices, attn_sink=attn_sink)
+        return calls["check"]
+
+    def fake_fwd(query, kv_, token_indices, sm_scale, attn_sink, **kw):
+        out, lse = mqa_latent_sparse_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink)
+        calls["fwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices, kw=kw)
         return out, lse
 
-    def fake_bwd(provider, dims, query, kv_, out, grad_out, lse, attn_sink, token_indices,
-                 sm_scale, block_h, deterministic, lse_format):
-        calls["bwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices.numpy(),
-                            provider=provider, dims=dims, deterministic=deterministic,
-                            lse_format=lse_format)
+    def fake_bwd(query, kv_, out, grad_out, lse, attn_sink, token_indices, sm_scale, **kw):
+        calls["bwd"] = dict(out=out.numpy(), lse=lse.numpy(), idx=token_indices, kw=kw)
         return mqa_latent_sparse_bwd_ref(query, kv_, out, grad_out, lse, attn_sink, token_indices,
                                          sm_scale)
 
-    _fake_interface(monkeypatch, _fwd=fake_fwd, _bwd=fake_bwd)
-    tq = paddle.to_tensor(q, stop_gradient=False)
-    tkv = paddle.to_tensor(kv, stop_gradient=False)
-    tsk = paddle.to_tensor(sk, stop_gradient=False)
-    tidx = paddle.to_tensor(idx)
-    dims = check_tensors(tq, tkv, tidx, attn_sink=tsk, d_v=d_v)
-    out = MQALatentSparseAttentionFunction.apply(tq, tkv, tidx, tsk, 0.1, dims, "tilelang", "cuda")
-    (out * paddle.to_tensor(grad)).sum().backward()
+    _fake_interface(monkeypatch, check_inputs=fake_check, mqa_latent_sparse_fwd=fake_fwd,
+                    mqa_latent_sparse_bwd=fake_bwd)
+    _as_cuda(monkeypatch)
+    monkeypatch.delenv(DETERMINISM_FLAG, raising=False)  # the default: deterministic
+    out, tq, tkv, tsk = _run_op(q, kv, idx, sk, grad, d_v, 0.1)
 
     fwd, bwd = calls["fwd"], calls["bwd"]
     np.testing.assert_array_equal(bwd["out"], fwd["out"])
     np.testing.assert_array_equal(bwd["lse"], fwd["lse"])
-    np.testing.assert_array_equal(bwd["idx"], idx)
-    np.testing.assert_array_equal(fwd["idx"], idx)
-    assert fwd["dims"] == bwd["dims"] == dims and fwd["block_h"] is None
-    assert fwd["provider"] == bwd["provider"] == "provider"  # the wrappers' default kernels
-    assert bwd["deterministic"] is True and bwd["lse_format"] == "natural"
+    assert fwd["idx"] is bwd["idx"] is calls["check"]  # checked and cast once, then reused
+    np.testing.assert_array_equal(calls["check"].indices.numpy(), idx)
+    assert fwd["kw"] == {} and bwd["kw"] == {"deterministic": True}  # the default kernels
     t = paddle.to_tensor
     dq, dkv, dsink = mqa_latent_sparse_bwd_ref(t(q), t(kv), None, t(grad), None, t(sk), t(idx), 0.1)
     assert rel_l2(tq.grad, dq) < 1e-6
@@ -266,16 +282,19 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
 
 def test_one_call_checks_once(rng, monkeypatch):
     """The op checks its tensors and reads their values once per call (the reference or the
-    kernel wrapper behind it used to check again); the backward checks nothing."""
+    kernel wrapper behind it used to check again), and casts the indices once: the backward
+    checks and casts nothing."""
+    from paddlefleet.tilelang_ops.attn import checks as checks_mod
     from paddlefleet.tilelang_ops.attn import op as op_mod
     from paddlefleet.tilelang_ops.attn import reference as ref_mod
 
-    q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)
+    q, kv, idx, sk, grad, d_v = _inputs(rng, H=4, idx_dtype="int64")
     calls = []
-    for module in (op_mod, ref_mod):
-        record_calls(monkeypatch, calls, module, "check_tensors", "check_values")
+    record_calls(monkeypatch, calls, op_mod, "check_tensors", "prepare_indices")
+    record_calls(monkeypatch, calls, ref_mod, "check_tensors", "check_values")
+    record_calls(monkeypatch, calls, checks_mod, "int32_indices", "check_cu_seqlens")
     _run_op(q, kv, idx, sk, grad, d_v, 0.1)
-    assert calls == ["check_tensors", "check_values"]
+    assert calls == ["check_tensors", "prepare_indices", "int32_indices"]
 
 
 def test_bf16_on_cpu_keeps_dtypes(rng):
@@ -302,15 +321,9 @@ def test_bf16_on_cpu_keeps_dtypes(rng):
 
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
 def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sink):
-    """The op's CUDA path through the real host wrappers' bodies (``interface.py``: head
-    padding, LSE bridge, exact deterministic dKV), with the three kernels replaced by the CPU
-    stand-ins of ``helpers.CpuStandIn``.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels
-    take."""
-    from paddlefleet.tilelang_ops.attn import interface
-
-    stand_in = CpuStandIn()
-    monkeypatch.setattr(interface, "_DEFAULT_PROVIDER", stand_in)
-    monkeypatch.setitem(sys.modules, "paddlefleet.tilelang_ops.attn.interface", interface)
+    """The op's CUDA path through the real host wrappers (``interface.py``: head padding, LSE
+    bridge, exact deterministic dKV), with the kernels replaced by the CPU stand-ins of
+    ``helpers.CpuStandIn``.  bf16 in and out, (Dk, Dv) = (576, 512) as the kernels take."""
     B, S, H, S_kv, L = 1, 6, 20, 12, 8  # 20 heads: one 32-head tile (12 pad heads)
     q = rng.standard_normal((B, S, H, 576)).astype(np.float32)
     kv = rng.standard_normal((B, S_kv, 576)).astype(np.float32)
@@ -324,11 +337,13 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     kv16 = paddle.to_tensor(kv).astype("bfloat16")
     q16.stop_gradient = kv16.stop_gradient = False
     tsk = None if sk is None else paddle.to_tensor(sk, stop_gradient=False)
-    tidx = paddle.to_tensor(idx)
-    dims = check_tensors(q16, kv16, tidx, attn_sink=tsk, d_v=512)
-    out = MQALatentSparseAttentionFunction.apply(q16, kv16, tidx, tsk, scale, dims, "tilelang", "cuda")
-    assert out.dtype == paddle.bfloat16
-    (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
+    with monkeypatch.context() as m:
+        stand_in = _stand_in_kernels(m)
+        _as_cuda(m)
+        m.delenv(DETERMINISM_FLAG, raising=False)  # the default: deterministic
+        out = mqa_latent_sparse_attention(q16, kv16, paddle.to_tensor(idx), scale, tsk)
+        assert out.dtype == paddle.bfloat16
+        (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
     assert q16.grad.dtype == kv16.grad.dtype == paddle.bfloat16
     kinds = [c[0] for c in stand_in.calls]
     # The deterministic backward: the preprocess with the grids, the exact first pass (with
@@ -336,7 +351,7 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     assert kinds == ["fwd", "grid_rows", "grid_scatter", "grid_keys", "main",
                      "rerun_plan", "rerun_slots", "main", "finish"], stand_in.calls
     mains = [c for c in stand_in.calls if c[0] == "main"]
-    assert [c[-2:] for c in mains] == [("exact", True), ("exact", False)]
+    assert [c[-2:] for c in mains] == [(True, True), (True, False)]  # (deterministic, with dq)
 
     # fp32 reference on the same bf16-rounded inputs; bf16 outputs, so ~1e-2 relative.
     ref_out, rq, rkv, rsk = _run_op(
@@ -347,6 +362,139 @@ def test_cuda_path_through_real_wrappers_with_cpu_stand_in(rng, monkeypatch, sin
     assert rel_l2(kv16.grad, rkv.grad) < 1e-2
     if sink:
         assert rel_l2(tsk.grad, rsk.grad) < 1e-2
+
+
+def _kernel_case(rng, H=16, S=4, S_kv=12, L=8):
+    """bf16 inputs the kernels (and their stand-ins) take: (q, kv, idx, sink, grad) numpy."""
+    q = rng.standard_normal((1, S, H, 576)).astype(np.float32)
+    kv = rng.standard_normal((1, S_kv, 576)).astype(np.float32)
+    idx = rng.integers(-1, S_kv, (1, S, L)).astype(np.int32)
+    idx[..., 0] = np.abs(idx[..., 0])
+    sk = rng.standard_normal(H).astype(np.float32)
+    grad = rng.standard_normal((1, S, H, 512)).astype(np.float32)
+    return q, kv, idx, sk, grad
+
+
+@pytest.mark.parametrize("deterministic, flag, want", [
+    (None, None, True), (None, "0", False), (None, "false", False), (None, "1", True),
+    (True, "0", True), (False, None, False), (False, "1", False)])
+def test_deterministic_reaches_the_kernel_provider(rng, monkeypatch, deterministic, flag, want):
+    """Issue 42: the op hard-coded the deterministic kernel.  ``deterministic`` (``None``:
+    Paddle's ``FLAGS_cudnn_deterministic`` where set, else True) is what the provider's
+    backward launchers get; the gradients agree either way."""
+    if flag is None:
+        monkeypatch.delenv(DETERMINISM_FLAG, raising=False)
+    else:
+        monkeypatch.setenv(DETERMINISM_FLAG, flag)
+    q, kv, idx, sk, grad = _kernel_case(rng)
+    tq = paddle.to_tensor(q).astype("bfloat16")
+    tq.stop_gradient = False
+    with monkeypatch.context() as m:
+        stand_in = _stand_in_kernels(m)
+        _as_cuda(m)
+        out = mqa_latent_sparse_attention(tq, paddle.to_tensor(kv).astype("bfloat16"),
+                                          paddle.to_tensor(idx), 576**-0.5,
+                                          paddle.to_tensor(sk), deterministic=deterministic)
+        (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
+    launched = [c for c in stand_in.calls if c[0] in ("main", "finish")]
+    if want:
+        assert [c[-2:] for c in launched[:2]] == [(True, True), (True, False)]
+    else:
+        assert [c[-2] for c in launched[:1]] == [False] and len(launched) == 2
+    assert launched[-1] == ("finish", 16, want)
+    _, rq, _, _ = _run_op(tq.astype("float32").numpy(), paddle.to_tensor(kv).astype(
+        "bfloat16").astype("float32").numpy(), idx, sk, grad, 512, 576**-0.5)
+    assert rel_l2(tq.grad, rq.grad) < 1e-2
+
+
+def test_deterministic_follows_paddles_flag_where_the_user_set_it(monkeypatch):
+    """``None``: ``FLAGS_cudnn_deterministic`` as ``paddle.get_flags`` reads it when true, or
+    false and set in the environment; the flag's default (false, not set) keeps ours, True.
+    Paddle's CPU build registers no such flag (``get_flags`` raises): the environment then."""
+    flags = {}
+
+    def get_flags(names):
+        if "value" not in flags:
+            raise ValueError(f"Flag {names[0]} cannot get its value through this function.")
+        return {names[0]: flags["value"]}
+
+    monkeypatch.setattr(paddle, "get_flags", get_flags)
+    monkeypatch.delenv(DETERMINISM_FLAG, raising=False)
+    assert resolve_deterministic(None) is True  # no flag, not set
+    monkeypatch.setenv(DETERMINISM_FLAG, "0")
+    assert resolve_deterministic(None) is False
+    monkeypatch.setenv(DETERMINISM_FLAG, "True")
+    assert resolve_deterministic(None) is True
+    flags["value"] = False  # a build with the flag: its default, nobody set it
+    monkeypatch.delenv(DETERMINISM_FLAG)
+    assert resolve_deterministic(None) is True
+    monkeypatch.setenv(DETERMINISM_FLAG, "1")  # set in the environment, then set_flags(False)
+    assert resolve_deterministic(None) is False
+    flags["value"] = True  # paddle.set_flags({"FLAGS_cudnn_deterministic": True})
+    monkeypatch.delenv(DETERMINISM_FLAG)
+    assert resolve_deterministic(None) is True
+    assert resolve_deterministic(False) is False and resolve_deterministic(True) is True
+    for bad in (1, "yes", np.True_):
+        with pytest.raises(TypeError, match="^deterministic: expected True, False or None"):
+            resolve_deterministic(bad)
+
+
+@pytest.mark.parametrize("path", ["reference", "tilelang"])
+@pytest.mark.parametrize("edited", ["query", "kv", "token_indices", "attn_sink"])
+def test_an_input_edited_in_place_after_the_forward_is_refused(rng, monkeypatch, path, edited):
+    """Issue 41: ``Qn = Q * 1.0``, the op on ``Qn``, ``Qn.add_(1)``, then ``.backward()`` gave
+    dq off by up to 0.37, and indices edited in place gradients for the wrong keys or a raw
+    IndexError deep in the backward.  As Paddle's own ops, the backward now refuses, naming the
+    tensor (Paddle reports a PyLayer's error as an OSError)."""
+    if path == "tilelang":
+        _stand_in_kernels(monkeypatch)
+        _as_cuda(monkeypatch)
+        q, kv, idx, sk, grad = _kernel_case(rng)
+        dtype, d_v = "bfloat16", 512
+    else:
+        q, kv, idx, sk, grad, d_v = _inputs(rng)
+        dtype = "float32"
+    Q = paddle.to_tensor(q).astype(dtype)
+    KV = paddle.to_tensor(kv).astype(dtype)
+    SK = paddle.to_tensor(sk)
+    Q.stop_gradient = KV.stop_gradient = SK.stop_gradient = False
+    t = dict(query=Q * 1.0, kv=KV * 1.0, token_indices=paddle.to_tensor(idx),
+             attn_sink=SK * 1.0)
+    out = mqa_latent_sparse_attention(t["query"], t["kv"], t["token_indices"], 0.1,
+                                      t["attn_sink"], d_v=d_v)
+    if t[edited].dtype == paddle.bfloat16:
+        t[edited].scale_(2.0)  # Paddle's CPU build has no bf16 add
+    else:
+        t[edited].add_(paddle.ones_like(t[edited]))  # indices: -1 -> 0, S_kv - 1 -> S_kv
+    loss = (out.astype("float32") * paddle.to_tensor(grad)).sum()
+    with pytest.raises((OSError, RuntimeError),
+                       match=f"{edited} was modified by an inplace operation after the forward"):
+        loss.backward()
+
+
+def test_out_edited_in_place_is_refused_where_the_backward_reads_it(rng, monkeypatch):
+    """The kernels' backward reads ``out`` (Delta); the reference recomputes it, so an edited
+    ``out`` changes nothing there and is allowed."""
+    q, kv, idx, sk, grad, d_v = _inputs(rng)
+    out, tq, _, _ = _run_op(q, kv, idx, sk, grad, d_v, 0.1)
+    want = tq.grad.numpy()
+    tq = paddle.to_tensor(q, stop_gradient=False)
+    out = mqa_latent_sparse_attention(tq, paddle.to_tensor(kv), paddle.to_tensor(idx), 0.1,
+                                      paddle.to_tensor(sk), d_v=d_v)
+    out.add_(paddle.ones_like(out))
+    (out * paddle.to_tensor(grad)).sum().backward()
+    np.testing.assert_array_equal(tq.grad.numpy(), want)
+
+    _stand_in_kernels(monkeypatch)
+    _as_cuda(monkeypatch)
+    q, kv, idx, sk, grad = _kernel_case(rng)
+    tq = paddle.to_tensor(q).astype("bfloat16")
+    tq.stop_gradient = False
+    out = mqa_latent_sparse_attention(tq, paddle.to_tensor(kv).astype("bfloat16"),
+                                      paddle.to_tensor(idx), 0.1, paddle.to_tensor(sk))
+    out.scale_(2.0)
+    with pytest.raises((OSError, RuntimeError), match="out was modified by an inplace operation"):
+        (out.astype("float32") * paddle.to_tensor(grad)).sum().backward()
 
 
 # --- packed documents (B = 1, cu_seqlens) -----------------------------------------------------
@@ -440,45 +588,25 @@ def test_packed_errors(rng):
 
 def test_packed_check_runs_on_the_cuda_path(rng, monkeypatch):
     """On CUDA the op checks its inputs with the kernel wrapper's rules
-    (``interface._check_inputs``); the in-document check must run there too, before the
-    kernel.  Simulated: the op sees its tensors as CUDA ones and a stand-in ``interface`` checks
-    with the CPU rules and runs the reference."""
-    from paddlefleet.tilelang_ops.attn import op as op_mod
-
-    cu, q, kv, idx, sk, grad, d_v = _packed(rng, [5, 11])
-    launched = []
-
-    def fake_check(query, kv_, token_indices, sm_scale, attn_sink, check_indices, provider, *,
-                   d_v):
-        assert check_indices is True and provider == "provider"  # the default provider
-        dims = check_tensors(query, kv_, token_indices, attn_sink=attn_sink, d_v=d_v)
-        check_values(dims, token_indices, attn_sink=attn_sink)
-        launched.append("check")
-        return dims, sm_scale
-
-    def fake_fwd(provider, dims, query, kv_, token_indices, sm_scale, attn_sink, block_h):
-        launched.append("fwd")
-        return mqa_latent_sparse_fwd_ref(query, kv_, token_indices, sm_scale, attn_sink, d_v=dims.Dv)
-
-    _fake_interface(monkeypatch, _check_inputs=fake_check, _fwd=fake_fwd)
-    real_ops_for = op_mod.ops_for
-
-    def cuda_ops_for(*ts):
-        ops = real_ops_for(*ts)
-        ops = types.SimpleNamespace(**{k: getattr(ops, k) for k in ("name", "dtype", "cast")})
-        ops.device_kind = lambda t: "cuda"
-        return ops
-
-    monkeypatch.setattr(op_mod, "ops_for", cuda_ops_for)
-    t = paddle.to_tensor
+    (``interface.check_inputs``); the in-document check must run there too, before any kernel.
+    The real wrappers with ``helpers.CpuStandIn`` as their kernels."""
+    stand_in = _stand_in_kernels(monkeypatch)
+    _as_cuda(monkeypatch)
+    cu = cu_seqlens_from_lengths([5, 11])
+    idx = varlen_causal_topk_indices(cu, 8, seed=int(rng.integers(1 << 30)))
+    q = paddle.to_tensor(rng.standard_normal((1, 16, 16, 576)).astype(np.float32)).astype(
+        "bfloat16")
+    kv = paddle.to_tensor(rng.standard_normal((1, 16, 576)).astype(np.float32)).astype(
+        "bfloat16")
+    sk = paddle.to_tensor(rng.standard_normal(16).astype(np.float32))
     bad = idx.copy()
     bad[0, 7, 0] = 2  # row 7 is in document 1, rows [5, 16)
     with pytest.raises(ValueError, match=r"^token_indices: row 7 \(document 1"):
-        mqa_latent_sparse_attention(t(q), t(kv), t(bad), 0.1, t(sk), "reference", d_v=d_v,
-                             cu_seqlens=cu)
-    assert launched == ["check"]
-    out = mqa_latent_sparse_attention(t(q), t(kv), t(idx), 0.1, t(sk), "reference", d_v=d_v,
-                               cu_seqlens=cu)
-    assert launched == ["check", "check", "fwd"]
-    ref, _ = mqa_latent_sparse_fwd_ref(t(q), t(kv), t(idx), 0.1, t(sk), d_v=d_v)  # as the stand-in
-    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+        mqa_latent_sparse_attention(q, kv, paddle.to_tensor(bad), 0.1, sk, "reference",
+                                    cu_seqlens=cu)
+    assert stand_in.calls == []
+    out = mqa_latent_sparse_attention(q, kv, paddle.to_tensor(idx), 0.1, sk, "reference",
+                                      cu_seqlens=cu)
+    assert [c[0] for c in stand_in.calls] == ["fwd"]
+    ref, _ = mqa_latent_sparse_fwd_ref(q, kv, paddle.to_tensor(idx), 0.1, sk)
+    assert rel_l2(out.astype("float32"), ref) < 1e-2

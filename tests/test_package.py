@@ -54,10 +54,16 @@ def test_names_load_on_first_use():
     assert load_config.__module__ == "paddlefleet.tilelang_ops.attn.config"
 
 
-def test_former_names_still_load():
-    """Deprecated until the next release: the op family's former names are the new objects."""
-    from paddlefleet.tilelang_ops import attn
+@pytest.mark.parametrize("module, name", [
+    ("", "sparse_mqa_attention"), ("", "MLAAttentionConfig"), ("", "sparse_mqa_fwd_ref"),
+    ("", "sparse_mqa_bwd_ref"), ("", "validate_inputs"), ("op", "sparse_mqa_attention"),
+    ("op", "SparseMQAAttentionFunction"), ("config", "MLAAttentionConfig"),
+    ("reference", "sparse_mqa_fwd_ref"), ("reference", "sparse_mqa_bwd_ref"),
+    ("reference", "lse_natural_to_log2_sink"), ("reference", "lse_log2_sink_to_natural"),
+    ("checks", "validate_inputs")])
+def test_former_names_are_gone(module, name):
+    """No release shipped the op family's former names: one name per object (issue 37)."""
+    from importlib import import_module
 
-    assert attn.MLAAttentionConfig is attn.MQALatentAttentionConfig
-    assert attn.sparse_mqa_fwd_ref is attn.mqa_latent_sparse_fwd_ref
-    assert callable(attn.sparse_mqa_bwd_ref) and callable(attn.validate_inputs)
+    mod = import_module("paddlefleet.tilelang_ops.attn" + (f".{module}" if module else ""))
+    assert not hasattr(mod, name)

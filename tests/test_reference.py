@@ -26,7 +26,6 @@ from paddlefleet.tilelang_ops.attn.lse import lse_natural_to_log2_sink
 from paddlefleet.tilelang_ops.attn.reference import (
     mqa_latent_sparse_bwd_ref,
     mqa_latent_sparse_fwd_ref,
-    sparse_mqa_bwd_ref,
 )
 
 DK, DV, S, S_KV, L = 24, 16, 5, 9, 6
@@ -520,7 +519,6 @@ def test_reference_arguments_are_the_kernels():
     assert list(inspect.signature(mqa_latent_sparse_bwd_ref).parameters)[:8] == kernel_bwd
     kernel_fwd = list(inspect.signature(interface.mqa_latent_sparse_fwd).parameters)[:6]
     assert list(inspect.signature(mqa_latent_sparse_fwd_ref).parameters)[:6] == kernel_fwd
-    assert ref_mod.sparse_mqa_fwd_ref is mqa_latent_sparse_fwd_ref  # the former name
 
 
 def test_reference_backward_in_kernel_order_matches_autograd(paddle_fw, rng):
@@ -539,8 +537,7 @@ def test_reference_backward_in_kernel_order_matches_autograd(paddle_fw, rng):
 
 
 def test_each_reference_call_checks_once(paddle_fw, rng, monkeypatch):
-    """One tensor check and one value read per call (the backward used to check twice, the
-    deprecated one three times)."""
+    """One tensor check and one value read per call (the backward used to check twice)."""
     fw = paddle_fw
     c = make_case(rng, 1, 3, True)
     q, kv, idx, do, sink = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out", "sink"))
@@ -548,19 +545,5 @@ def test_each_reference_call_checks_once(paddle_fw, rng, monkeypatch):
     record_calls(monkeypatch, calls, ref_mod, "check_tensors", "check_values")
     out, lse = mqa_latent_sparse_fwd_ref(q, kv, idx, c["scale"], sink, d_v=DV)
     mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, c["scale"])
-    with pytest.warns(DeprecationWarning):
-        sparse_mqa_bwd_ref(q, kv, do, idx, c["scale"], sink, d_v=DV)
-    assert calls == ["check_tensors", "check_values"] * 3
+    assert calls == ["check_tensors", "check_values"] * 2
 
-
-def test_old_backward_name_still_works_and_warns(fw, rng):
-    c = make_case(rng, 1, 3, True)
-    q, kv, idx, do, sink = (fw.t(c[k]) for k in ("q", "kv", "idx", "grad_out", "sink"))
-    with pytest.warns(DeprecationWarning, match="mqa_latent_sparse_bwd_ref"):
-        old = sparse_mqa_bwd_ref(q, kv, do, idx, c["scale"], sink, d_v=DV, dtype="float64")
-    new = mqa_latent_sparse_bwd_ref(q, kv, None, do, None, sink, idx, c["scale"],
-                                    dtype="float64")
-    for o, n in zip(old, new):
-        np.testing.assert_array_equal(fw.np(o), fw.np(n))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="grad_out"):
-        sparse_mqa_bwd_ref(q, kv, do, idx, c["scale"], sink, d_v=DV - 1)

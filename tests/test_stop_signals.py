@@ -1,4 +1,4 @@
-"""launch.StopSignals: SIGINT / SIGTERM as exceptions, recorded, and deferrable (no Paddle)."""
+"""tools/launch.py StopSignals: SIGINT / SIGTERM as exceptions, recorded, and deferrable (no Paddle)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from paddlefleet.tilelang_ops.launch import StopSignals, Terminated
+from launch import StopSignals, Terminated
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
 

@@ -53,7 +53,7 @@ if SRC not in sys.path:  # run from a checkout without installing
 # Printed by every `import paddle` on a machine without ccache; not about this script.
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 
-from paddlefleet.tilelang_ops.launch import (  # noqa: E402  (needs SRC on sys.path)
+from launch import (  # noqa: E402  (tools/launch.py, next to this script)
     CONSOLE_ENV,
     LaunchInterrupted,
     StopSignals,

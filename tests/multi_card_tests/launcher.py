@@ -1,6 +1,6 @@
 """Run a test script on N local ranks (CPU: gloo) and turn failures into clear errors.
 
-Launching itself is :func:`paddlefleet.tilelang_ops.launch.launch_ranks` (fresh port, own log
+Launching itself is ``launch_ranks`` of ``tools/launch.py`` (fresh port, own log
 directory, ``src`` on ``PYTHONPATH``, hard timeout that really ends the ranks); this module adds
 the tail of every rank's log to the error, so a failing or hung run explains itself.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from paddlefleet.tilelang_ops.launch import launch_ranks
+from launch import launch_ranks
 
 
 class LaunchError(RuntimeError):

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("paddle")  # the ranks run Paddle; the torch-only GPU env skips this
 
 from helpers import REPO_ROOT  # noqa: E402
-from paddlefleet.tilelang_ops.launch import CONSOLE_ENV, launch_ranks  # noqa: E402
+from launch import CONSOLE_ENV, launch_ranks  # noqa: E402  (tools/launch.py)
 
 pytestmark = pytest.mark.multicard
 
@@ -96,7 +96,7 @@ def test_stop_ends_a_launcher_that_ignores_sigterm():
     own (as Paddle starts its ranks) that ignores it too; both must be gone afterwards."""
     import subprocess
 
-    from paddlefleet.tilelang_ops import launch
+    import launch
 
     marker = f"{3000 + os.getpid() % 1000}"  # unique sleep length to find the children by
 
@@ -130,7 +130,7 @@ time.sleep(3600)
 # The caller: launches two ranks with the console, reports how the launch ended.
 _CALLER = """
 import sys
-from paddlefleet.tilelang_ops.launch import LaunchInterrupted, launch_ranks
+from launch import LaunchInterrupted, launch_ranks
 try:
     launch_ranks(sys.argv[1], 2, timeout=300, console=True)
 except LaunchInterrupted as e:
@@ -173,7 +173,8 @@ def test_a_signal_to_the_caller_ends_every_rank(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-c", _CALLER, str(script)], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src")))
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                str(REPO_ROOT / d) for d in ("src", "tools"))))
     output = _Output(proc)
     try:
         # The ranks' console lines reach the caller's stdout while they run.

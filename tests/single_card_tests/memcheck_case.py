@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 
-from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
+from paddlefleet.tilelang_ops.attn import exact_dkv, interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
 
 H = int(sys.argv[1]) if len(sys.argv) > 1 else 8
@@ -32,11 +32,11 @@ for det in (True, False):
     dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5,
                                                   deterministic=det)
     assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
-margin = interface.GRID_MARGIN_BITS
-interface.GRID_MARGIN_BITS = -20  # every key re-runs: the with_dq=False kernel runs too
+margin = exact_dkv.GRID_MARGIN_BITS
+exact_dkv.GRID_MARGIN_BITS = -20  # every key re-runs: the with_dq=False kernel runs too
 dq, dkv, ds = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, 576 ** -0.5)
 assert not (dq.isnan().any() or dkv.isnan().any() or ds.isnan().any())
-interface.GRID_MARGIN_BITS = margin
+exact_dkv.GRID_MARGIN_BITS = margin
 bad = idx.clone()
 bad[0, 5, 0], bad[0, 6, 1], bad[0, 7, 2], bad[0, 15, 3] = 10**7, -5, S_kv, -(2**31)
 calls = [lambda: interface.mqa_latent_sparse_fwd(q, kv, bad, 576 ** -0.5, sink)]

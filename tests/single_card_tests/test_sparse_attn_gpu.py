@@ -41,7 +41,7 @@ pytestmark = pytest.mark.gpu
 if cuda_available():
     import torch
 
-    from paddlefleet.tilelang_ops.attn import interface, tiling
+    from paddlefleet.tilelang_ops.attn import exact_dkv, interface, kernel_provider, tiling
     from paddlefleet.tilelang_ops.attn.checks import check_cu_seqlens, check_indices_in_documents
     from paddlefleet.tilelang_ops.attn.indices import (
         causal_topk_indices,
@@ -77,7 +77,7 @@ def _unwritten(t):
 
 if cuda_available():
 
-    class GuardedKernels(interface.TileLangKernels):
+    class GuardedKernels(kernel_provider.TileLangKernels):
         """The real kernels, each output replaced by a view into a larger buffer whose head and
         tail hold a sentinel; outputs are poisoned (NaN) first, except those a kernel adds into
         or updates (the dKV accumulator, Bound, BoundExp, est, the grids the re-run plan
@@ -133,8 +133,8 @@ if cuda_available():
                       self._preprocess_outputs(delta, lse2, d_sink_rows),
                       whole=not bool(torch.isnan(lse).any()))  # NaN lse: NaN (= poison)
 
-        def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
-                     counts, dq, acc, bound, bound_exp, pre=None):
+        def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale,
+                     inv_grid, counts, dq, acc, bound, bound_exp, pre=None):
             # dq is written whole (poisoned first) by the pass that computes it; the
             # accumulators are added into, so they keep their contents.  With pre (the fused
             # preprocess) lse2, delta and the rows' d_sink terms are outputs, written whole
@@ -151,7 +151,8 @@ if cuda_available():
                 d = dict(zip([n for n, _, _ in outs + pre_outs], v))
                 p = None if pre is None else pre._replace(d_sink_rows=d["d_sink_rows"])
                 super(GuardedKernels, self).bwd_main(
-                    m, mode, with_dq, q, kv, do, idx, d.get("lse2", lse2), d.get("delta", delta),
+                    m, deterministic, with_dq, q, kv, do, idx, d.get("lse2", lse2),
+                    d.get("delta", delta),
                     scale, inv_grid, counts, d.get("dq", d.get("dq_untouched")), d["dkv_acc"],
                     d["bound"], d["bound_exp"], p)
 
@@ -160,9 +161,9 @@ if cuda_available():
                 for n, t, _ in pre_outs:
                     assert _unwritten(t) == 0, f"{n}: {_unwritten(t)} elements not written"
 
-        def bwd_finish(self, m, scaled, acc, inv_grid, dkv):
-            self._run(lambda v: super(GuardedKernels, self).bwd_finish(m, scaled, acc, inv_grid,
-                                                                       *v),
+        def bwd_finish(self, m, deterministic, acc, inv_grid, dkv):
+            self._run(lambda v: super(GuardedKernels, self).bwd_finish(m, deterministic, acc,
+                                                                       inv_grid, *v),
                       [("dkv", dkv, True)], whole=True)
 
         def exact_grid_rows(self, natural, q, out, do, lse, sink, idx, kv_norm, delta, lse2,
@@ -440,7 +441,7 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch, case):
     base = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                            provider=prov)
     for margin in (-20, -6, 12):  # too fine (clamped), too fine, too coarse
-        monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+        monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
         runs = [interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
                                                 provider=prov) for _ in range(2)]
         for a, b, name in zip(runs[0], runs[1], ("dq", "dkv", "d_sink")):
@@ -451,14 +452,14 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch, case):
         assert e < TOL
 
 
-class _RerunCapture(interface.TileLangKernels if cuda_available() else object):
+class _RerunCapture(kernel_provider.TileLangKernels if cuda_available() else object):
     """The shipped kernels; keeps copies of the exact re-run launch's arguments (``rerun``)."""
 
-    def bwd_main(self, m, mode, with_dq, *args, **kw):
+    def bwd_main(self, m, deterministic, with_dq, *args, **kw):
         if not with_dq:
             torch.cuda.synchronize()
             self.rerun = (m, [t.clone() for t in args])
-        super().bwd_main(m, mode, with_dq, *args, **kw)
+        super().bwd_main(m, deterministic, with_dq, *args, **kw)
 
 
 def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
@@ -477,7 +478,7 @@ def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
     case = dict(B=1, S=300, S_kv=400, H=64, L=96, sink=True)
     q, kv, do, sink, idx = _inputs(case, 5)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink)
-    monkeypatch.setattr(interface, "GRID_MARGIN_BITS", -20)  # every key re-runs
+    monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", -20)  # every key re-runs
     cap = _RerunCapture()
     interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE, provider=cap)
     m, (q_p, kv_p, do_p, idx2, lse2, delta, scale, inv_grid, counts, dq, acc, bound,
@@ -492,8 +493,8 @@ def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
         a, b = torch.zeros_like(acc), torch.zeros_like(bound)
         e = torch.full_like(bexp, -(2**30))
         d = torch.full_like(dq, float("nan"))  # not written by the re-run
-        interface.TileLangKernels().bwd_main(m, "exact", False, q_p, kv_p, do_p, idx2, lse2,
-                                             delta, scale, inv_grid, c, d, a, b, e)
+        kernel_provider.TileLangKernels().bwd_main(m, True, False, q_p, kv_p, do_p, idx2, lse2,
+                                                   delta, scale, inv_grid, c, d, a, b, e)
         torch.cuda.synchronize()
         assert bool(torch.isnan(d).all())
         return a.double(), b
@@ -510,7 +511,7 @@ def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
     assert bool(acc_all.any()) and not bool(rerun([])[0].any())
 
 
-class _FirstPassCapture(interface.TileLangKernels if cuda_available() else object):
+class _FirstPassCapture(kernel_provider.TileLangKernels if cuda_available() else object):
     """The shipped kernels, except that 64-head first passes may run the one-role kernel
     (``one_role=True``); keeps a copy of each exact first pass's dq, dKV accumulator, Bound and
     BoundExp."""
@@ -519,18 +520,19 @@ class _FirstPassCapture(interface.TileLangKernels if cuda_available() else objec
         super().__init__()
         self.one_role, self.passes = one_role, []
 
-    def bwd_main(self, m, mode, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid, counts,
-                 dq, acc, bound, bound_exp):
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                 counts, dq, acc, bound, bound_exp):
         args = (q, kv, do, idx, lse2, delta, scale, inv_grid, counts, dq, acc, bound, bound_exp)
         if self.one_role and m == 64 and with_dq:
             from paddlefleet.tilelang_ops.attn.kernels import main_args
 
             # threads, stages, 128-column transposed chunks: the one-role 64-head schedule
+            mode = "exact" if deterministic else "atomic"  # main_args' spelling of the choice
             key = ("bwd_main",) + main_args(m, mode, True) + (256, 1, 128, True, False)
             self._kernel(key)(*args)
         else:
-            super().bwd_main(m, mode, with_dq, *args)
-        if with_dq and mode == "exact":
+            super().bwd_main(m, deterministic, with_dq, *args)
+        if with_dq and deterministic:
             torch.cuda.synchronize()
             self.passes.append([t.clone() for t in (dq, acc, bound, bound_exp)])
 
@@ -663,9 +665,9 @@ def test_exact_grid_kernels_match_the_stand_in(case):
     ref.exact_grid_scatter(c_row, top, idx, est_ref)
     assert torch.equal(est, est_ref)
     assert not bool(est[:, case["used"]:].any()) and bool((est[:, :case["used"]] > 0).any())
-    for margin in (interface.GRID_MARGIN_BITS, -40, 12):
+    for margin in (exact_dkv.GRID_MARGIN_BITS, -40, 12):
         inv, inv_ref = (torch.empty((B, S_kv), device="cuda") for _ in range(2))
-        args = (margin - interface.EXACT_BITS, *interface._GRID_EXP_RANGE)
+        args = (margin - exact_dkv.EXACT_BITS, *exact_dkv.GRID_EXP_RANGE)
         prov.exact_grid_keys(est, top, inv, *args)
         ref.exact_grid_keys(est, top, inv_ref, *args)
         assert torch.equal(inv, inv_ref), f"grids differ at margin {margin}"
@@ -676,14 +678,14 @@ def test_exact_grid_kernels_match_the_stand_in(case):
         probe = [torch.from_numpy(a).cuda() for a in state]
         over0 = torch.zeros((B, S_kv), dtype=torch.int32, device="cuda")
         ref.exact_rerun_plan(*probe, over0, torch.zeros_like(over0[:, 0]), n_max,
-                             interface.EXACT_BITS, interface.RERUN_COARSE_BITS)
+                             exact_dkv.EXACT_BITS, exact_dkv.RERUN_COARSE_BITS)
         gone = over0[0].cpu().numpy() != 0
         state[0][0][gone], state[1][0][gone] = 0, -(2**30)
     got = [torch.from_numpy(a).cuda() for a in state]
     want = [torch.from_numpy(a).cuda() for a in state]
     over, over_ref = (torch.empty((B, S_kv), dtype=torch.int32, device="cuda") for _ in range(2))
     any_over, any_ref = (torch.zeros((B,), dtype=torch.int32, device="cuda") for _ in range(2))
-    bits = (interface.EXACT_BITS, interface.RERUN_COARSE_BITS)
+    bits = (exact_dkv.EXACT_BITS, exact_dkv.RERUN_COARSE_BITS)
     prov.exact_rerun_plan(*got, over, any_over, n_max, *bits)
     ref.exact_rerun_plan(*want, over_ref, any_ref, n_max, *bits)
     assert torch.equal(over, over_ref)
@@ -801,7 +803,7 @@ def test_fused_prologue_matches_the_preprocess(natural):
     do_p[:, :, :H] = do
     idx = torch.from_numpy(causal_topk_indices(1, S, S_kv, L, seed=3)).cuda()
     got = [torch.empty((1, S, h_pad), device="cuda") for _ in range(3)]  # lse2, delta, d_sink
-    pre = interface.FusedPreprocess(natural, out, lse, sink, got[2])
+    pre = kernel_provider.FusedPreprocess(natural, out, lse, sink, got[2])
     GuardedKernels().bwd_main(
         64, "atomic", True, q, kv, do_p, idx, got[0], got[1],
         torch.full((1,), SM_SCALE, device="cuda"), torch.empty((1, S_kv), device="cuda"),
@@ -882,8 +884,8 @@ def test_deterministic_backward_captures_in_a_cuda_graph(monkeypatch):
     case = dict(B=1, S=48, S_kv=300, H=64, L=200, sink=True)
     q, kv, do, sink, idx = _inputs(case, 41)
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink)
-    for margin in (interface.GRID_MARGIN_BITS, -20):
-        monkeypatch.setattr(interface, "GRID_MARGIN_BITS", margin)
+    for margin in (exact_dkv.GRID_MARGIN_BITS, -20):
+        monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
 
         def bwd():
             return interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
@@ -922,7 +924,7 @@ def _ragged_indices(rng, B, S, S_kv, L):
     return idx
 
 
-class _FullWalkForward(interface.TileLangKernels if cuda_available() else object):
+class _FullWalkForward(kernel_provider.TileLangKernels if cuda_available() else object):
     """The shipped kernels, except the 64-head forward walks every key block in row order
     (``row_extent=False``)."""
 
@@ -1037,7 +1039,7 @@ def test_deterministic_across_processes():
 def test_new_shapes_do_not_recompile():
     # One compiled kernel object per static key serves every B / S / S_kv / L: a kernel with
     # static shapes would reject the second call's tensors instead of computing them.
-    prov = interface.TileLangKernels()
+    prov = kernel_provider.TileLangKernels()
     for case in (dict(B=1, S=24, S_kv=70, H=64, L=64, sink=True),
                  dict(B=2, S=40, S_kv=300, H=64, L=200, sink=True)):
         q, kv, do, sink, idx = _inputs(case, 5)
@@ -1089,7 +1091,7 @@ def test_value_stats_kernel(has_sink, has_lse):
     lse[1, 7, [4, 5]] = np.nan
     lse[0, 0, 0] = -np.inf
     t = lambda a: torch.from_numpy(a).cuda()
-    prov = interface.TileLangKernels()
+    prov = kernel_provider.TileLangKernels()
     idx[0, 0, :3] = [-7, -(2**31), 2**31 - 1]
     rows, safe = prov.value_stats(t(idx), t(sink) if has_sink else None,
                                   t(lse) if has_lse else None, 4000)

@@ -323,9 +323,9 @@ def rel_errors(ours, ref, names) -> str:
 
 
 class StageClock:
-    """A kernel provider (the interface's protocol: fwd, bwd_preprocess, bwd_main, bwd_finish
-    and the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a clock mark
-    on each side of every launch; the deterministic backward's ``grid_rows`` (its preprocess,
+    """A kernel provider (``kernel_provider.KernelProvider``: fwd, bwd_preprocess, bwd_main,
+    bwd_finish and the exact dKV's ``exact_*`` launchers) that launches through ``inner`` with a
+    clock mark on each side of every launch; the deterministic backward's ``grid_rows`` (its preprocess,
     with the rows' grid weights) counts as "preprocess", its other two grid kernels as one
     stage ("grid"), its re-run plan and slot compaction as another ("re-run plan"); where
     ``inner`` fuses the
@@ -338,7 +338,7 @@ class StageClock:
     def __init__(self, clock, inner):
         self.clock, self.inner, self.device = clock, inner, inner.device
         self.marks, self.bound, self.rerun_idx = [], None, None
-        # the tiles whose main kernel does the preprocess's work (interface.FusedPreprocess):
+        # the tiles whose main kernel does the preprocess's work (kernel_provider.FusedPreprocess):
         # those of inner, whose launch then counts in "main" (no "preprocess" stage)
         self.fused_preprocess_tiles = getattr(inner, "fused_preprocess_tiles", ())
 
@@ -353,14 +353,15 @@ class StageClock:
     def bwd_preprocess(self, *args):
         self._launch("preprocess", self.inner.bwd_preprocess, *args)
 
-    def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
-        args = (heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta, scale,
-                inv_grid, counts, dq, dkv_acc, bound, bound_exp) + (() if pre is None else (pre,))
+    def bwd_main(self, heads_per_cta, deterministic, with_dq, q, kv, grad_out, indices, lse2,
+                 delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
+        args = (heads_per_cta, deterministic, with_dq, q, kv, grad_out, indices, lse2, delta,
+                scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp)
+        args += () if pre is None else (pre,)
         self._launch("main" if with_dq else "main re-run", self.inner.bwd_main, *args)
-        if mode == "exact" and with_dq:
+        if deterministic and with_dq:
             self.bound = bound.clone()  # the re-run adds to it
-        elif mode == "exact":
+        elif deterministic:
             # its slots: the first counts[b, s] of each row (the rest may be unwritten)
             self.rerun_idx = (indices, counts)
 
@@ -389,7 +390,7 @@ def stage_report(torch, clock, fn, inputs, reps, inner) -> dict:
     ``inner`` ("rest of the call": framework ops and host time between the kernels) and, for the
     deterministic backward, how many keys the exact dKV re-ran and the head-room
     ``log2(2^EXACT_BITS / bound)`` its first pass left (quantiles over keys)."""
-    from paddlefleet.tilelang_ops.attn.interface import EXACT_BITS
+    from paddlefleet.tilelang_ops.attn.exact_dkv import EXACT_BITS
 
     samples = []
     for i in range(reps + 1):  # call 0 loads the provider's kernels
@@ -524,7 +525,7 @@ def run(a: argparse.Namespace) -> int:
                     device_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
     fns = load_functions(torch, cpu, check_indices=not a.no_check_indices)
     if a.stages:
-        from paddlefleet.tilelang_ops.attn.interface import TileLangKernels
+        from paddlefleet.tilelang_ops.attn.kernel_provider import TileLangKernels
 
         inner = TileLangKernels()  # one for the run: it keeps its loaded kernels
     rows: list[dict] = []

@@ -47,7 +47,7 @@ sys.path.insert(0, "tools/bench")
 import harness  # noqa: E402
 from bench_sparse_mqa import sampled_calls, sustained_calls  # noqa: E402
 import model  # noqa: E402
-from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
+from paddlefleet.tilelang_ops.attn import interface, kernel_provider  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
 from paddlefleet.tilelang_ops.attn.kernels import FUSED_TILES, main_args  # noqa: E402
 
@@ -73,7 +73,7 @@ def parse_static(text):
     return tuple(words[t] if t in words else int(t) for t in text.split(","))
 
 
-class Variant(interface.TileLangKernels):
+class Variant(kernel_provider.TileLangKernels):
     """Shipped kernels, except that the 64-head forward / main backward get other static args."""
 
     def __init__(self, fwd_extra=None, bwd_extra=None):
@@ -100,12 +100,13 @@ class Variant(interface.TileLangKernels):
         ws = (self.bwd_extra or ())[4:5]
         return FUSED_TILES if ws in ((), (None,), (True,)) else ()
 
-    def bwd_main(self, heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2, delta,
-                 scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
+    def bwd_main(self, heads_per_cta, deterministic, with_dq, q, kv, grad_out, indices, lse2,
+                 delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
         if self.bwd_extra is None or heads_per_cta not in (32, 64):
-            return super().bwd_main(heads_per_cta, mode, with_dq, q, kv, grad_out, indices, lse2,
-                                    delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp,
-                                    pre)
+            return super().bwd_main(heads_per_cta, deterministic, with_dq, q, kv, grad_out,
+                                    indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
+                                    bound, bound_exp, pre)
+        mode = "exact" if deterministic else "atomic"  # main_args' spelling of the choice
         key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq),
                                         fused=pre is not None,
                                         natural=pre is None or pre.natural, knobs=self.bwd_extra)
@@ -277,7 +278,7 @@ def main():
     CHECK = args.check_indices
     STATE = args.state
     UNFUSED = args.unfused
-    providers = {"shipped": interface.TileLangKernels()}
+    providers = {"shipped": kernel_provider.TileLangKernels()}
     do_fwd, do_bwd = {}, {}
     for spec in args.fwd:
         n, a = spec.split("=")

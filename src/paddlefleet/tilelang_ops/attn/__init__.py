@@ -15,7 +15,7 @@ The two LSE forms, any device (``lse``):
     lse_log2_sink_to_natural    and back
 
 Paddle training (``op``, ``config``, ``layer``, ``tp``):
-    mqa_latent_sparse_attention autograd op (paddle.autograd.PyLayer), cu_seqlens: packed docs
+    mqa_latent_sparse_attention autograd op (PyLayer); cu_seqlens: packed docs; deterministic
     MQALatentAttentionConfig    sizes of one attention block, validated when built
     get_preset, load_config     presets (deepseek_v32, deepseek_v32_small) or a JSON file
     MQALatentAttention          tensor-parallel attention layer (paddle.nn.Layer)
@@ -31,15 +31,6 @@ Inputs and tests (``checks``, ``indices``):
     causal_topk_indices         random causal top-k indices for tests and demos
     varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
     cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
-
-Former names, deprecated until the next release:
-    sparse_mqa_attention        = mqa_latent_sparse_attention
-    MLAAttentionConfig          = MQALatentAttentionConfig
-    sparse_mqa_fwd_ref          = mqa_latent_sparse_fwd_ref
-    sparse_mqa_bwd_ref          the reference backward in its old argument order (warns)
-    validate_inputs             check_tensors + check_values in one call (warns)
-    (also ``op.SparseMQAAttentionFunction`` = ``op.MQALatentSparseAttentionFunction``, and the
-    LSE bridge imported from ``reference``)
 
 Every name is loaded on first use, so importing this package pulls in neither Paddle, PyTorch
 nor TileLang; ``help(name)`` documents each one (shapes, dtypes, errors).  The math is
@@ -79,12 +70,6 @@ _EXPORTS = {
     "reduce_from_tensor_parallel": "tp",
     "all_to_all": "tp",
     "gather_from_tensor_parallel": "tp",
-    # former names, deprecated until the next release
-    "sparse_mqa_attention": "op",
-    "MLAAttentionConfig": "config",
-    "sparse_mqa_fwd_ref": "reference",
-    "sparse_mqa_bwd_ref": "reference",
-    "validate_inputs": "checks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,8 +26,7 @@ Two functions check the tensors of a sparse MQA-latent attention call (shapes an
 
 ``None`` for an optional tensor means "not given"; ``required`` names the optional tensors a
 caller needs (the backward needs ``grad_out``; the kernels' also ``out`` and ``lse``), and a
-missing one is a ``TypeError`` naming it.  :func:`validate_inputs`, both in one call, is the
-deprecated former interface.
+missing one is a ``TypeError`` naming it.
 
 Every message names the argument, what was expected and what was got.  The layout of the checks
 follows the usual entry-point style of attention kernels (ndim, device, dtype, shape).
@@ -36,14 +35,17 @@ Packed variable-length documents (the THD layout: ``B = 1``, documents back to b
 rows, their boundaries in ``cu_seqlens``) add two checks: :func:`check_cu_seqlens` (the
 boundaries themselves, read to the host) and :func:`check_indices_in_documents` (every top-k
 index stays inside its query's own document; a value check, run where the index range check
-runs).
+runs); :func:`check_packed` runs both with the packed layout's shape rules.
+
+:func:`prepare_indices` runs the value checks (and, with ``cu_seqlens``, the packed ones) once
+and keeps the result, the int32 indices the compute reads, in a :class:`PreparedIndices`: the
+op's forward saves it for the backward, which neither checks nor casts them again.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -57,11 +59,13 @@ __all__ = [
     "check_values",
     "start_value_checks",
     "PendingValueChecks",
-    "validate_inputs",
     "check_sm_scale",
     "check_compute_dtype",
     "check_cu_seqlens",
     "check_indices_in_documents",
+    "check_packed",
+    "PreparedIndices",
+    "prepare_indices",
 ]
 
 _INDEX_DTYPES = ("int32", "int64")
@@ -404,42 +408,6 @@ def start_value_checks(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
     return PendingValueChecks(finish, safe)
 
 
-def validate_inputs(
-    query: Any,
-    kv: Any,
-    token_indices: Any,
-    *,
-    attn_sink: Any = None,
-    d_v: int = 512,
-    out: Any = None,
-    grad_out: Any = None,
-    lse: Any = None,
-    float_dtypes: Iterable[str] | None = None,
-    device: str | None = None,
-    check_values: bool = True,
-    aux_float_dtypes: Iterable[str] = ("float32",),
-    required: Iterable[str] = (),
-) -> Dims:
-    """Deprecated (until the next release): :func:`check_tensors` with these arguments, then,
-    unless ``check_values=False``, :func:`check_values`.  ``d_v`` defaults to 512 here, as
-    before; pass ``d_v=None`` to take it from ``out`` / ``grad_out``.
-
-    Raises:
-        TypeError, ValueError: as the two functions.
-    """
-    warnings.warn("validate_inputs is deprecated; call check_tensors, then check_values",
-                  DeprecationWarning, stacklevel=2)
-    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v, out=out,
-                         grad_out=grad_out, lse=lse, float_dtypes=float_dtypes,
-                         aux_float_dtypes=aux_float_dtypes, device=device, required=required)
-    if check_values:
-        _check_values(dims, token_indices, attn_sink=attn_sink, lse=lse)
-    return dims
-
-
-_check_values = check_values  # validate_inputs' flag of the same name hides the function
-
-
 def check_sm_scale(sm_scale: Any) -> float:
     """``sm_scale`` as a Python float that is finite and ``> 0``, also once rounded to float32.
 
@@ -584,3 +552,94 @@ def check_indices_in_documents(token_indices: Any, cu_seqlens: np.ndarray, *,
             f"outside its document ({bad.size} such row(s)); with cu_seqlens every index must "
             f"be -1 or a row of the query's own document"
         )
+
+
+def check_packed(dims: Dims, token_indices: Any, cu_seqlens: Any) -> np.ndarray:
+    """The packed-documents checks of a call whose tensors :func:`check_tensors` accepted (the
+    index range already checked): :func:`check_cu_seqlens` (ending at ``S``), ``B = 1``,
+    ``S_kv = S`` (the packed tokens are both the queries and the keys), then
+    :func:`check_indices_in_documents`.
+
+    Returns:
+        the checked host boundaries (``numpy.ndarray [num_docs + 1]`` int64).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_cu_seqlens`; ``ValueError`` naming ``query``
+            (``B != 1``), ``kv`` (``S_kv != S``) or ``token_indices`` (an index outside its
+            row's document).
+    """
+    cu = check_cu_seqlens(cu_seqlens, dims.S)
+    if dims.B != 1:
+        raise ValueError(
+            f"query: packed documents (cu_seqlens) need B=1, all documents back to back in one "
+            f"row, got B={dims.B}"
+        )
+    if dims.S_kv != dims.S:
+        raise ValueError(
+            f"kv: with cu_seqlens expected S_kv = S = {dims.S} (the packed tokens are both the "
+            f"queries and the keys), got S_kv={dims.S_kv}"
+        )
+    check_indices_in_documents(token_indices, cu)
+    return cu
+
+
+@dataclass(frozen=True)
+class PreparedIndices:
+    """The top-k indices of one call, checked once, in the form the compute reads.
+
+    Made by :func:`prepare_indices` (the kernels' rules: ``interface.check_inputs``); the op's
+    forward saves it for its backward, so the indices are checked and cast once per call.
+
+    dims: the call's sizes (:class:`Dims`, ``L`` the top-k width as given).
+    indices: ``[B, S, L_pad]`` int32, contiguous, every value ``-1`` or in ``[0, S_kv)``; the
+        ``L_pad - L`` slots after ``L`` are ``-1`` (``L_pad``: ``L`` rounded up to the
+        ``pad_to`` of :func:`prepare_indices`).
+    cu_seqlens: the checked host boundaries of packed documents (``numpy`` int64), or
+        ``None``.
+    """
+
+    dims: Dims
+    indices: Any
+    cu_seqlens: Any = None
+
+
+def int32_indices(token_indices: Any, pad_to: int = 1) -> Any:
+    """``token_indices [B, S, L]`` as int32, contiguous, ``L`` padded with ``-1`` to a multiple
+    of ``pad_to`` (one cast, no copy where nothing changes).  Cast only values already checked
+    (an int64 index past int32 would wrap)."""
+    ops = ops_for(token_indices)
+    idx = ops.contiguous(ops.cast(token_indices, "int32"))
+    b, s, l = ops.shape(idx)
+    l_pad = -(-l // pad_to) * pad_to
+    if l_pad != l:
+        idx = ops.concat([idx, ops.full((b, s, l_pad - l), -1, "int32", idx)], axis=2)
+    return idx
+
+
+def prepare_indices(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
+                    cu_seqlens: Any = None, stats: Any = None,
+                    pad_to: int = 1) -> PreparedIndices:
+    """Check the values of a call's indices (and sink) once and keep them in the form the
+    compute reads: :func:`check_values` (with ``stats``, the index range from one kernel and
+    the safe int32 copy it makes), then with ``cu_seqlens`` :func:`check_packed`, then one
+    cast to int32 (:func:`int32_indices`, padded with ``-1`` to a multiple of ``pad_to``).
+
+    Args:
+        dims: what :func:`check_tensors` returned for these tensors.
+        token_indices: ``[B, S, L]`` int32/int64.
+        attn_sink: ``[H]`` or ``None`` (its values are checked too).
+        cu_seqlens: boundaries of packed documents (see :func:`check_cu_seqlens`), or ``None``.
+        stats: as in :func:`check_values`.
+        pad_to: the top-k width of :attr:`PreparedIndices.indices` is a multiple of this.
+
+    Returns:
+        :class:`PreparedIndices`.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_values` and :func:`check_packed`, in that order.
+    """
+    pending = start_value_checks(dims, token_indices, attn_sink=attn_sink, stats=stats)
+    pending.finish()
+    cu = None if cu_seqlens is None else check_packed(dims, token_indices, cu_seqlens)
+    checked = token_indices if pending.indices is None else pending.indices
+    return PreparedIndices(dims, int32_indices(checked, pad_to), cu)

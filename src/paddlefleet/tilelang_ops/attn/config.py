@@ -1,10 +1,10 @@
 """Model configuration for DeepSeek-V3.2-style MLA/DSA attention (:class:`MQALatentAttention`).
 
-:class:`MQALatentAttentionConfig` (formerly ``MLAAttentionConfig``, still an alias) holds the
+:class:`MQALatentAttentionConfig` holds the
 sizes of one attention block in the form the DeepSeek-V3 / V3.2 model configs publish them
 (``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
 ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``index_topk``) plus what this
-package adds (attention sink, backward backend, tensor-parallel degree).
+package adds (attention sink, backward backend, determinism, tensor-parallel degree).
 
 What the sparse kernel sees (absorbed MLA, MQA form; see docs/conventions.md):
     Dk = kv_lora_rank + qk_rope_head_dim   (576 for DeepSeek-V3.2: 512 latent + 64 rope)
@@ -34,7 +34,6 @@ from .checks import check_sm_scale
 
 __all__ = [
     "MQALatentAttentionConfig",
-    "MLAAttentionConfig",
     "ATTENTION_PARTITIONS",
     "BACKWARD_BACKENDS",
     "PRESETS",
@@ -132,6 +131,10 @@ class MQALatentAttentionConfig:
         use_attn_sink: learn a per-head sink logit (docs/conventions.md).
         backward_backend: ``"tilelang"``, ``"reference"`` or ``None`` (tilelang on CUDA,
             reference on CPU).
+        deterministic: the TileLang backward's dKV, passed to
+            :func:`~paddlefleet.tilelang_ops.attn.op.mqa_latent_sparse_attention`: ``True``
+            bitwise repeatable (exact per-key grids), ``False`` fp32 atomics, ``None`` Paddle's
+            ``FLAGS_cudnn_deterministic`` where the user set it, else ``True``.
         tensor_parallel_degree: ranks the heads are split over; must divide the heads.
         attention_partition: how the sparse attention core is split over those ranks:
             ``"heads"`` (default; each rank runs its ``H/TP`` heads on all ``S`` query rows) or
@@ -161,6 +164,7 @@ class MQALatentAttentionConfig:
     softmax_scale: float | None = None
     use_attn_sink: bool = True
     backward_backend: str | None = None
+    deterministic: bool | None = None
     tensor_parallel_degree: int = 1
     attention_partition: str = "heads"
     rope_theta: float = 10000.0
@@ -241,6 +245,13 @@ class MQALatentAttentionConfig:
                 raise ValueError(f"MQALatentAttentionConfig.{name} must be {expected}, got "
                                  f"{_short_repr(value)}")
             object.__setattr__(self, name, as_float)
+        if self.deterministic is not None:
+            if not _is_bool(self.deterministic):
+                raise ValueError(
+                    "MQALatentAttentionConfig.deterministic must be True, False or None, got "
+                    f"{_short_repr(self.deterministic)}"
+                )
+            object.__setattr__(self, "deterministic", bool(self.deterministic))
         if not _is_bool(self.use_attn_sink):
             raise ValueError(
                 f"MQALatentAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
@@ -360,10 +371,6 @@ class MQALatentAttentionConfig:
         from .fleet_config import from_fleet_config
 
         return from_fleet_config(config, cls=cls, **overrides)
-
-
-#: Deprecated (until the next release): the config's former name.
-MLAAttentionConfig = MQALatentAttentionConfig
 
 
 class _FieldGivenTwice(ValueError):

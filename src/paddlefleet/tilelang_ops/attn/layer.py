@@ -471,6 +471,7 @@ class MQALatentAttention(paddle.nn.Layer):
         sink = None if sink is None else gather_from_tensor_parallel(sink, group)
         o_rows = mqa_latent_sparse_attention(
             q_rows, kv, idx_rows, c.sm_scale, sink, c.backward_backend, d_v=c.kernel_dv,
+            deterministic=c.deterministic,
         )
         o_lat = all_to_all(o_rows, 2, 1, group)  # [B, rows * TP, h, Dv]
         return o_lat[:, :S] if pad else o_lat
@@ -523,7 +524,7 @@ class MQALatentAttention(paddle.nn.Layer):
         else:
             o_lat = mqa_latent_sparse_attention(
                 query, kv, token_indices, c.sm_scale, self._sink(), c.backward_backend,
-                d_v=c.kernel_dv, cu_seqlens=cu_seqlens,
+                d_v=c.kernel_dv, cu_seqlens=cu_seqlens, deterministic=c.deterministic,
             )
         o_lat = o_lat.astype(compute_dtype)
 

@@ -1,8 +1,9 @@
 """Paddle autograd op for sparse MQA-latent attention with an attention sink.
 
-Reads top to bottom: backend choice -> plain forward/backward dispatch functions ->
-:class:`MQALatentSparseAttentionFunction` (a ``paddle.autograd.PyLayer`` that only does ``ctx``
-bookkeeping) -> the public :func:`mqa_latent_sparse_attention`.
+Reads top to bottom: backend and determinism choices -> the one input check of a call ->
+plain forward/backward dispatch functions -> :class:`MQALatentSparseAttentionFunction` (a
+``paddle.autograd.PyLayer`` that only does ``ctx`` bookkeeping) -> the public
+:func:`mqa_latent_sparse_attention`.
 
 Forward: the TileLang kernel (``interface.mqa_latent_sparse_fwd``) for CUDA tensors, the
 reference (``reference.mqa_latent_sparse_fwd_ref``) for CPU tensors, computed in fp64 for fp64
@@ -10,41 +11,39 @@ inputs and in fp32 otherwise.  Backward: chosen by ``backward_backend``; the top
 ``out`` and the natural-log, sink-exclusive ``lse`` are saved by the forward and reused, never
 recomputed.  The math is docs/conventions.md; the exact definition is ``attn/reference.py``.
 
-Inputs are checked once, when the op is called (on CUDA with the kernel wrapper's rules); the
-PyLayer then runs the wrapper's or the reference's unchecked bodies (``_fwd`` / ``_bwd``).
+Inputs are checked once, when the op is called (on CUDA with the kernel wrapper's rules,
+``interface.check_inputs``), into a ``checks.PreparedIndices`` (the checked int32 indices, the
+sizes, the checked ``cu_seqlens``) that the forward saves for the backward; both hand it to the
+public wrappers / reference in place of ``token_indices``, which then check nothing again.  The
+backward refuses to run on inputs edited in place after the forward (as Paddle's own ops do).
 
 The kernel module is imported lazily, on the CUDA path only, so CPU-only installs work.
-
-Former names, deprecated until the next release: ``sparse_mqa_attention`` and
-``SparseMQAAttentionFunction`` (the same objects).
 """
 
 from __future__ import annotations
 
+import os
 from importlib import import_module
 
 import paddle
 from paddle.autograd import PyLayer
 
 from .adapter import framework_of, ops_for, type_name
-from .checks import (
-    check_cu_seqlens,
-    check_indices_in_documents,
-    check_sm_scale,
-    check_tensors,
-    check_values,
-)
+from .checks import check_sm_scale, check_tensors, prepare_indices
 from .config import BACKWARD_BACKENDS
-from .reference import _bwd as _reference_bwd
-from .reference import _fwd as _reference_fwd
+from .reference import mqa_latent_sparse_bwd_ref, mqa_latent_sparse_fwd_ref
 
 __all__ = [
     "mqa_latent_sparse_attention",
     "MQALatentSparseAttentionFunction",
     "resolve_backward_backend",
-    "sparse_mqa_attention",
-    "SparseMQAAttentionFunction",
+    "resolve_deterministic",
 ]
+
+#: Paddle's switch for deterministic GPU kernels, which ``deterministic=None`` follows.
+DETERMINISM_FLAG = "FLAGS_cudnn_deterministic"
+# gflags' spellings of true (Paddle reads FLAGS_* from the environment with gflags)
+_TRUE = ("1", "true", "t", "yes", "y")
 
 
 def resolve_backward_backend(backward_backend: str | None, device_kind: str) -> str:
@@ -71,7 +70,41 @@ def resolve_backward_backend(backward_backend: str | None, device_kind: str) -> 
     return backward_backend
 
 
-# --- plain forward / backward ----------------------------------------------------------------
+def _determinism_flag() -> bool | None:
+    """``FLAGS_cudnn_deterministic`` where the user set it, else ``None``: its value
+    (``paddle.get_flags``) when true, or when false and given in the environment (Paddle cannot
+    tell a ``False`` set with ``paddle.set_flags`` from the flag's default).  Paddle's CPU
+    builds register no cuDNN flag: there the environment variable is read as Paddle would."""
+    env = os.environ.get(DETERMINISM_FLAG)
+    try:
+        value = bool(paddle.get_flags([DETERMINISM_FLAG])[DETERMINISM_FLAG])
+    except ValueError:  # "cannot get its value": a build without the flag
+        return None if env is None else env.strip().lower() in _TRUE
+    return value if value or env is not None else None
+
+
+def resolve_deterministic(deterministic: bool | None) -> bool:
+    """Whether the TileLang backward sums dKV exactly (bitwise repeatable) or with fp32
+    atomics.
+
+    ``None`` follows Paddle's ``FLAGS_cudnn_deterministic`` where the user set it (true: set
+    with ``paddle.set_flags`` or in the environment; false: in the environment), else ``True``,
+    this package's default.
+
+    Raises:
+        TypeError: not a Python bool or ``None``.
+    """
+    if deterministic is None:
+        flag = _determinism_flag()
+        return True if flag is None else flag
+    if not isinstance(deterministic, bool):
+        raise TypeError(
+            f"deterministic: expected True, False or None, got {type_name(deterministic)}"
+        )
+    return deterministic
+
+
+# --- the call's one input check; plain forward / backward ------------------------------------
 def _ref_dtype(query) -> str:
     """The reference's compute dtype: fp64 for fp64 inputs (no silent narrowing), else fp32."""
     return "float64" if ops_for(query).dtype(query) == "float64" else "float32"
@@ -83,86 +116,96 @@ def _interface():
     return import_module(".interface", __package__)
 
 
-def _check_inputs(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind):
+def _prepare(query, kv, token_indices, attn_sink, d_v, cu_seqlens, device_kind):
     """The op's input checks, the only ones of a call: on CUDA the kernel wrapper's rules (bf16,
-    values included: one device->host read), on CPU the generic ones.  Returns the sizes."""
+    values included: one device->host read), on CPU the generic ones; with ``cu_seqlens`` the
+    packed-documents checks too.  Returns the ``checks.PreparedIndices``."""
     if device_kind == "cuda":
-        iface = _interface()
-        dims, _ = iface._check_inputs(query, kv, token_indices, sm_scale, attn_sink, True,
-                                      iface._DEFAULT_PROVIDER, d_v=d_v)
-        return dims
+        return _interface().check_inputs(query, kv, token_indices, attn_sink, d_v=d_v,
+                                         cu_seqlens=cu_seqlens)
     dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v)
-    check_values(dims, token_indices, attn_sink=attn_sink)
-    return dims
+    return prepare_indices(dims, token_indices, attn_sink=attn_sink, cu_seqlens=cu_seqlens)
 
 
-def _forward(dims, query, kv, token_indices, sm_scale, attn_sink, device_kind):
+def _forward(prepared, query, kv, sm_scale, attn_sink, device_kind):
     """-> ``(out [B,S,H,Dv] in query's dtype, lse [B,S,H] natural, sink-exclusive)``; ``lse``
-    is fp32 (fp64 for fp64 inputs on CPU).  The inputs were checked by the op."""
+    is fp32 (fp64 for fp64 inputs on CPU)."""
     if device_kind == "cuda":
-        kernels = _interface()
-        out, lse = kernels._fwd(kernels._DEFAULT_PROVIDER, dims, query, kv, token_indices,
-                                sm_scale, attn_sink, None)
+        out, lse = _interface().mqa_latent_sparse_fwd(query, kv, prepared, sm_scale, attn_sink)
     else:
-        out, lse = _reference_fwd(dims, query, kv, token_indices, sm_scale, attn_sink,
-                                  _ref_dtype(query))
+        out, lse = mqa_latent_sparse_fwd_ref(query, kv, prepared, sm_scale, attn_sink,
+                                             dtype=_ref_dtype(query))
     ops = ops_for(query)
     lse_dtype = "float64" if ops.dtype(lse) == "float64" else "float32"
     return ops.cast(out, ops.dtype(query)), ops.cast(lse, lse_dtype)
 
 
-def _backward(backend, dims, query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale):
+def _backward(backend, deterministic, prepared, query, kv, out, grad_out, lse, attn_sink,
+              sm_scale):
     """-> ``(dq in query's dtype, dkv in kv's dtype, d_sink fp32 [H])``.  The forward checked
     every input but ``grad_out``, which Paddle gives in ``out``'s shape."""
     ops = ops_for(query)
     if backend == "tilelang":
-        kernels = _interface()
         grad_out = ops.contiguous(ops.cast(grad_out, ops.dtype(out)))
-        dq, dkv, d_sink = kernels._bwd(
-            kernels._DEFAULT_PROVIDER, dims, query, kv, out, grad_out, lse, attn_sink,
-            token_indices, sm_scale, None, True, "natural",
-        )
+        dq, dkv, d_sink = _interface().mqa_latent_sparse_bwd(
+            query, kv, out, grad_out, lse, attn_sink, prepared, sm_scale,
+            deterministic=deterministic)
     else:
-        # The reference recomputes P from (query, kv, token_indices); the saved indices are
-        # what it gets, so the top-k selection is still never recomputed.
-        dq, dkv, d_sink = _reference_bwd(dims, query, kv, grad_out, attn_sink, token_indices,
-                                         sm_scale, _ref_dtype(query))
+        # The reference recomputes P from (query, kv, indices); the saved indices are what it
+        # gets, so the top-k selection is still never recomputed.  It is deterministic anyway.
+        dq, dkv, d_sink = mqa_latent_sparse_bwd_ref(query, kv, None, grad_out, None, attn_sink,
+                                                    prepared, sm_scale, dtype=_ref_dtype(query))
     return ops.cast(dq, ops.dtype(query)), ops.cast(dkv, ops.dtype(kv)), d_sink
 
 
 # --- PyLayer ---------------------------------------------------------------------------------
+_READ_BY_BACKWARD = ("query", "kv", "token_indices", "attn_sink")
+
+
 class MQALatentSparseAttentionFunction(PyLayer):
     """``ctx`` bookkeeping around :func:`_forward` / :func:`_backward`.
 
     Tensor inputs, in order: ``query``, ``kv``, ``token_indices`` and, when given,
-    ``attn_sink``.  Paddle requires one return value per Tensor input, and ``None`` for every
-    input with ``stop_gradient=True`` (the int indices always get ``None``), so the backward
-    returns ``None`` for each input that was not differentiable at forward time and returns
-    nothing for an absent sink.
+    ``attn_sink``; then ``sm_scale``, the ``checks.PreparedIndices`` of the op's check, the
+    backward backend, the device kind and ``deterministic``.  Paddle requires one return value
+    per Tensor input, and ``None`` for every input with ``stop_gradient=True`` (the int indices
+    always get ``None``), so the backward returns ``None`` for each input that was not
+    differentiable at forward time and returns nothing for an absent sink.
+
+    The backward reads the inputs the forward saved (and, on the TileLang path, ``out``): it
+    raises if any of them was edited in place since (``Tensor._inplace_version``), where it
+    would silently give wrong gradients or read an index out of range.
     """
 
     @staticmethod
-    def forward(ctx, query, kv, token_indices, attn_sink, sm_scale, dims, backend, device_kind):
-        out, lse = _forward(dims, query, kv, token_indices, sm_scale, attn_sink, device_kind)
+    def forward(ctx, query, kv, token_indices, attn_sink, sm_scale, prepared, backend,
+                device_kind, deterministic):
+        out, lse = _forward(prepared, query, kv, sm_scale, attn_sink, device_kind)
         ctx.sm_scale = sm_scale
-        ctx.dims = dims
+        ctx.prepared = prepared
         ctx.backend = backend
+        ctx.deterministic = deterministic
         ctx.has_sink = attn_sink is not None
         ctx.needs_grad = (
             not query.stop_gradient,
             not kv.stop_gradient,
             attn_sink is not None and not attn_sink.stop_gradient,
         )
+        watched = dict(zip(_READ_BY_BACKWARD, (query, kv, token_indices, attn_sink)))
+        if backend == "tilelang":  # the kernels' backward reads out (Delta); the reference not
+            watched["out"] = out
+        ctx.versions = {name: t._inplace_version() for name, t in watched.items()
+                        if t is not None}
         ctx.save_for_backward(query, kv, token_indices, out, lse, attn_sink)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, kv, token_indices, out, lse, attn_sink = ctx.saved_tensor()
-        dq, dkv, d_sink = _backward(
-            ctx.backend, ctx.dims, query, kv, out, grad_out, lse, attn_sink, token_indices,
-            ctx.sm_scale,
-        )
+        _check_versions(ctx.versions, dict(query=query, kv=kv, token_indices=token_indices,
+                                           attn_sink=attn_sink, out=out))
+        dq, dkv, d_sink = _backward(ctx.backend, ctx.deterministic, ctx.prepared, query, kv,
+                                    out, grad_out, lse, attn_sink, ctx.sm_scale)
         need_q, need_kv, need_sink = ctx.needs_grad
         grads = [dq if need_q else None, dkv if need_kv else None, None]
         if ctx.has_sink:
@@ -171,25 +214,18 @@ class MQALatentSparseAttentionFunction(PyLayer):
         return tuple(grads)
 
 
-def _check_packed(dims, token_indices, cu_seqlens) -> None:
-    """The packed-documents checks of the forward (see :func:`mqa_latent_sparse_attention`).
-
-    Run after :func:`_check_inputs` (whose value checks include the index range) on every
-    device; the in-document check is one more value check.  The backward reuses the checked
-    indices and checks nothing.
-    """
-    cu = check_cu_seqlens(cu_seqlens, dims.S)
-    if dims.B != 1:
-        raise ValueError(
-            f"query: packed documents (cu_seqlens) need B=1, all documents back to back in one "
-            f"row, got B={dims.B}"
-        )
-    if dims.S_kv != dims.S:
-        raise ValueError(
-            f"kv: with cu_seqlens expected S_kv = S = {dims.S} (the packed tokens are both the "
-            f"queries and the keys), got S_kv={dims.S_kv}"
-        )
-    check_indices_in_documents(token_indices, cu)
+def _check_versions(saved: dict, tensors: dict) -> None:
+    """Raise where a tensor the backward reads was edited in place after the forward
+    (``saved``: its ``_inplace_version()`` then)."""
+    for name, version in saved.items():
+        now = tensors[name]._inplace_version()
+        if now != version:
+            raise RuntimeError(
+                f"mqa_latent_sparse_attention: {name} was modified by an inplace operation "
+                f"after the forward (inplace version {version} at the forward, {now} now); "
+                f"the backward reads it and would give wrong gradients. Edit a copy "
+                f"({name}.clone()) or do the edit before the forward"
+            )
 
 
 def mqa_latent_sparse_attention(
@@ -202,6 +238,7 @@ def mqa_latent_sparse_attention(
     *,
     d_v: int = 512,
     cu_seqlens=None,
+    deterministic: bool | None = None,
 ) -> paddle.Tensor:
     """Sparse MQA-latent attention (DeepSeek-V3.2 DSA, absorbed MLA) with an attention sink,
     differentiable with respect to ``query``, ``kv`` and ``attn_sink``.
@@ -229,6 +266,12 @@ def mqa_latent_sparse_attention(
             ``None``; a ``paddle.Tensor`` on any place or a ``numpy.ndarray``, starting at 0,
             non-decreasing, ending at ``S``.  Only checked, never read by the kernels (see
             "Packed documents").
+        deterministic: (keyword only) the TileLang backward's dKV: ``True`` summed exactly on
+            per-key grids, bitwise repeatable across calls and processes (``exact_dkv.py``);
+            ``False`` fp32 atomics (faster, last-bit differences between calls); ``None``
+            (default) follows Paddle's ``FLAGS_cudnn_deterministic`` where the user set it,
+            else ``True`` (:func:`resolve_deterministic`).  The reference backward is
+            deterministic either way.
 
     Packed documents (the THD layout): several variable-length documents packed back to back
     in one row are a call with ``B = 1``, ``S_kv = S`` (the same packed tokens are queries and
@@ -261,7 +304,8 @@ def mqa_latent_sparse_attention(
         TypeError / ValueError: bad tensors (``checks.check_tensors``, ``checks.check_values``;
             on CUDA with the kernel wrapper's rules, so ``TypeError`` for non-bf16 inputs),
             ``sm_scale`` not finite and ``> 0``, an unknown ``backward_backend``, or
-            ``"tilelang"`` on CPU tensors.  On CUDA also (from the kernel's forward, whatever
+            ``"tilelang"`` on CPU tensors, ``deterministic`` not a bool or ``None``
+            (``TypeError``).  On CUDA also (from the kernel's forward, whatever
             ``backward_backend``): ``ValueError`` for ``(Dk, Dv) != (576, 512)``.
             With ``cu_seqlens``: ``TypeError`` when it is not an int32 tensor/array;
             ``ValueError`` when it is not 1-D with >= 2 entries, does not start at 0, decreases,
@@ -269,7 +313,10 @@ def mqa_latent_sparse_attention(
             outside its query's document (the message names the first such row).
 
     Gradients: ``dq`` in ``query``'s dtype, ``dkv`` in ``kv``'s dtype, ``d_sink`` fp32 (zero
-    contribution from rows whose weight is all on the sink); see docs/conventions.md.
+    contribution from rows whose weight is all on the sink); see docs/conventions.md.  The
+    backward raises (Paddle reports it as an ``OSError`` naming the tensor) if ``query``,
+    ``kv``, ``token_indices``, ``attn_sink`` or, on the TileLang path, ``out`` was modified by
+    an inplace operation after the forward: it reads them.
     """
     sm_scale = check_sm_scale(sm_scale)
     if framework_of(query) != "paddle":
@@ -279,14 +326,10 @@ def mqa_latent_sparse_attention(
     ops = ops_for(query)
     device_kind = ops.device_kind(query)
     backend = resolve_backward_backend(backward_backend, device_kind)
-    dims = _check_inputs(query, kv, token_indices, sm_scale, attn_sink, d_v, device_kind)
-    if cu_seqlens is not None:
-        _check_packed(dims, token_indices, cu_seqlens)
+    deterministic = resolve_deterministic(deterministic)
+    prepared = _prepare(query, kv, token_indices, attn_sink, d_v, cu_seqlens, device_kind)
     return MQALatentSparseAttentionFunction.apply(
-        query, kv, token_indices, attn_sink, sm_scale, dims, backend, device_kind
+        query, kv, token_indices, attn_sink, sm_scale, prepared, backend, device_kind,
+        deterministic,
     )
 
-
-# Deprecated (until the next release): the former names of the op and its PyLayer.
-sparse_mqa_attention = mqa_latent_sparse_attention
-SparseMQAAttentionFunction = MQALatentSparseAttentionFunction

@@ -14,27 +14,27 @@ zero value of Xiao et al. (arXiv:2309.17453) and gpt-oss.
 
 Public functions:
     mqa_latent_sparse_fwd_ref, mqa_latent_sparse_bwd_ref (the arguments of the kernels'
-    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``, in the same order).  Deprecated
-    until the next release: ``sparse_mqa_fwd_ref`` (the forward's former name) and
-    ``sparse_mqa_bwd_ref`` (the backward in its old argument order).  The LSE bridge is
-    ``attn/lse.py`` (still importable from here).
+    ``mqa_latent_sparse_fwd`` / ``mqa_latent_sparse_bwd``, in the same order).  The LSE bridge
+    is ``attn/lse.py``.
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from typing import Any
 
 from .adapter import ops_for
-from .checks import check_compute_dtype, check_sm_scale, check_tensors, check_values
-# The LSE bridge lives in .lse; re-exported here, where it was until 0.1 (deprecated).
-from .lse import lse_log2_sink_to_natural, lse_natural_to_log2_sink  # noqa: F401
+from .checks import (
+    PreparedIndices,
+    check_compute_dtype,
+    check_sm_scale,
+    check_tensors,
+    check_values,
+)
 
 __all__ = [
     "mqa_latent_sparse_fwd_ref",
     "mqa_latent_sparse_bwd_ref",
-    "sparse_mqa_fwd_ref",
-    "sparse_mqa_bwd_ref",
 ]
 
 #: Bytes of per-row intermediates one chunk may hold (tests shrink it to force many chunks).
@@ -115,6 +115,13 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     return kv_g, safe, P, lse, p_sink
 
 
+def _prepared(token_indices):
+    """``(dims, indices)`` of a ``checks.PreparedIndices`` (checked once by its maker: the op);
+    ``L`` is the width of its indices (the kernels' padding with ``-1`` included)."""
+    idx = token_indices.indices
+    return dataclasses.replace(token_indices.dims, L=ops_for(idx).shape(idx)[-1]), idx
+
+
 def _cast_kv_sink(ops, kv, attn_sink, dtype):
     return ops.cast(kv, dtype), (None if attn_sink is None else ops.cast(attn_sink, dtype))
 
@@ -134,7 +141,8 @@ def mqa_latent_sparse_fwd_ref(
         query: ``[B, S, H, Dk]`` any float dtype (bf16 allowed; cast to ``dtype`` first).
         kv: ``[B, S_kv, Dk]`` same dtype as ``query``; the value is ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` for an empty slot, else in
-            ``[0, S_kv)``.
+            ``[0, S_kv)``; or a ``checks.PreparedIndices`` made for these tensors (the op's
+            path): then nothing but ``sm_scale`` and ``dtype`` is checked (``d_v`` not used).
         sm_scale: multiplies ``q.k`` only (not the sink); finite and ``> 0``, also in float32
             (:func:`checks.check_sm_scale`).  Applied to the query before the dot product, so
             a raw ``q.k`` beyond the dtype's range does not overflow where the logits are
@@ -154,15 +162,18 @@ def mqa_latent_sparse_fwd_ref(
         :func:`checks.check_values` (index range and sink values are always checked here);
         ``sm_scale`` not a finite real ``> 0``; ``dtype`` not ``"float32"``/``"float64"``.
     """
-    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
-                         float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX)
-    check_values(dims, token_indices, attn_sink=attn_sink)
+    if isinstance(token_indices, PreparedIndices):
+        dims, token_indices = _prepared(token_indices)
+    else:
+        dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
+                             float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX)
+        check_values(dims, token_indices, attn_sink=attn_sink)
     return _fwd(dims, query, kv, token_indices, check_sm_scale(sm_scale), attn_sink,
                 check_compute_dtype(dtype))
 
 
 def _fwd(dims, query, kv, token_indices, sm_scale, attn_sink, dtype):
-    """The forward on checked inputs (the public function, and the op, check them once)."""
+    """The forward on checked inputs (the public function checks them once)."""
     ops = ops_for(query, kv, token_indices, attn_sink)
     kv_c, sink_c = _cast_kv_sink(ops, kv, attn_sink, dtype)
     step = _chunk_rows(dims, dtype, backward=False)
@@ -213,8 +224,9 @@ def mqa_latent_sparse_bwd_ref(
             ``out`` and ``lse`` are checked for type and shape only: the reference recomputes
             both in ``dtype`` from ``query`` and ``kv``, so its gradient is the exact one and
             does not inherit the rounding (or errors) of a given ``out``/``lse``.
-        attn_sink, token_indices, sm_scale: as in :func:`mqa_latent_sparse_fwd_ref` (``attn_sink`` may
-            be ``None``).
+        attn_sink, token_indices, sm_scale: as in :func:`mqa_latent_sparse_fwd_ref`
+            (``attn_sink`` may be ``None``; with a ``PreparedIndices`` no tensor is checked:
+            ``grad_out`` must be in the forward output's shape).
         dtype: compute and output dtype, ``"float32"`` or ``"float64"`` (keyword only).
 
     Returns:
@@ -227,17 +239,20 @@ def mqa_latent_sparse_bwd_ref(
         ``lse`` checks (type, framework, device, dtype, shape; a ``grad_out`` whose shape
         differs from ``out``'s is named).
     """
-    # out and lse: type, device, dtype and shape only (their values are not used).
-    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, out=out,
-                         grad_out=grad_out, lse=lse, float_dtypes=_REF_FLOATS,
-                         aux_float_dtypes=_REF_AUX, required=("grad_out",))
-    check_values(dims, token_indices, attn_sink=attn_sink)
+    if isinstance(token_indices, PreparedIndices):
+        dims, token_indices = _prepared(token_indices)
+    else:
+        # out and lse: type, device, dtype and shape only (their values are not used).
+        dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, out=out,
+                             grad_out=grad_out, lse=lse, float_dtypes=_REF_FLOATS,
+                             aux_float_dtypes=_REF_AUX, required=("grad_out",))
+        check_values(dims, token_indices, attn_sink=attn_sink)
     return _bwd(dims, query, kv, grad_out, attn_sink, token_indices, check_sm_scale(sm_scale),
                 check_compute_dtype(dtype))
 
 
 def _bwd(dims, query, kv, grad_out, attn_sink, token_indices, sm_scale, dtype):
-    """The backward on checked inputs (the public functions, and the op, check them once)."""
+    """The backward on checked inputs (the public function checks them once)."""
     ops = ops_for(query, kv, token_indices, attn_sink, grad_out)
     kv_c, sink_c = _cast_kv_sink(ops, kv, attn_sink, dtype)
     B, H, Dk, Dv = dims.B, dims.H, dims.Dk, dims.Dv
@@ -279,43 +294,3 @@ def _bwd(dims, query, kv, grad_out, attn_sink, token_indices, sm_scale, dtype):
             d_sink = d_sink - ops.sum(ops.reshape(p_sink * delta, (B * c, H)), axis=0)
     return dq, dkv, d_sink
 
-
-def sparse_mqa_bwd_ref(
-    query: Any,
-    kv: Any,
-    grad_out: Any,
-    token_indices: Any,
-    sm_scale: float,
-    attn_sink: Any = None,
-    d_v: int = 512,
-    dtype: str = "float32",
-):
-    """Deprecated: the reference backward in its old argument order; use
-    :func:`mqa_latent_sparse_bwd_ref`, whose arguments are the kernel's
-    (``query, kv, out, grad_out, lse, attn_sink, token_indices, sm_scale``).
-
-    Same results as ``mqa_latent_sparse_bwd_ref(query, kv, None, grad_out, None, attn_sink,
-    token_indices, sm_scale, dtype=dtype)``; ``d_v`` must equal ``grad_out``'s last dim.
-
-    Raises:
-        TypeError, ValueError: as :func:`mqa_latent_sparse_bwd_ref`.
-    """
-    warnings.warn(
-        "sparse_mqa_bwd_ref(query, kv, grad_out, token_indices, sm_scale, attn_sink) is "
-        "deprecated; call mqa_latent_sparse_bwd_ref(query, kv, out, grad_out, lse, attn_sink, "
-        "token_indices, sm_scale), the argument order of mqa_latent_sparse_bwd (out and lse "
-        "may be None)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    # d_v as before: checked against grad_out.
-    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
-                         grad_out=grad_out, float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX,
-                         required=("grad_out",))
-    check_values(dims, token_indices, attn_sink=attn_sink)
-    return _bwd(dims, query, kv, grad_out, attn_sink, token_indices, check_sm_scale(sm_scale),
-                check_compute_dtype(dtype))
-
-
-#: Deprecated (until the next release): the forward's former name.
-sparse_mqa_fwd_ref = mqa_latent_sparse_fwd_ref

@@ -1,6 +1,7 @@
 """Start a script on N local ranks with ``python -m paddle.distributed.launch``, with a timeout.
 
-Used by ``tools/train_step.py --nproc`` and the multi-card tests. A broken gloo rendezvous hangs
+Used by ``tools/train_step.py --nproc`` and the multi-card tests (a tool, not part of the
+package: import it with ``tools/`` on ``sys.path``, as ``pytest.ini`` and ``train_step.py`` do). A broken gloo rendezvous hangs
 instead of failing (Paddle 3.3.1 CPU wheel), so every run has a hard timeout, and on
 timeout the ranks must really end: Paddle's launcher starts each rank in a process group of its
 own, so killing the launcher's group alone leaves them running. The launcher does stop its ranks
@@ -43,7 +44,8 @@ __all__ = [
     "launch_ranks",
 ]
 
-_SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the checkout's src/, put on the ranks' PYTHONPATH (this file is <checkout>/tools/launch.py)
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 #: Environment variable that gives the ranks of a ``console=True`` launch the path of the file
 #: whose content the caller copies to its stdout.
