@@ -65,7 +65,6 @@ def test_small_preset_splits_over_eight_ranks():
         ("backward_backend", "flash"),
         ("deterministic", "yes"),
         ("deterministic", 1),
-        ("deterministic", np.True_),
         ("qk_rope_head_dim", 15),
     ],
 )
@@ -162,6 +161,15 @@ def test_deterministic_round_trips(tmp_path, value):
     assert json.loads(path.read_text())["deterministic"] is value
     assert load_config(path).deterministic is value
     assert cfg.replace(deterministic=not value).deterministic is (not value)
+
+
+def test_deterministic_takes_numpy_bools_by_value(tmp_path):
+    """Like use_attn_sink (issue 41: numpy scalars by value), np.bool_ is stored as a bool, so
+    the config still saves as JSON."""
+    cfg = get_preset("deepseek_v32_small", deterministic=np.False_)
+    assert cfg.deterministic is False
+    cfg.to_json_file(tmp_path / "cfg.json")
+    assert load_config(tmp_path / "cfg.json").deterministic is False
 
 
 def test_json_round_trip(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("paddle")
 
 from helpers import REPO_ROOT  # noqa: E402
-from paddlefleet.tilelang_ops.launch import launch_ranks  # noqa: E402
+from launch import launch_ranks  # noqa: E402  (tools/launch.py; pytest.ini puts tools/ on sys.path)
 
 EXAMPLE = REPO_ROOT / "examples" / "fleet_decoder_block.py"
 CHECKS = ("loss_finite", "recompute_grads_bitwise_equal", "optimizer_step_changed_weights",
