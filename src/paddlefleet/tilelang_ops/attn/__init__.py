@@ -31,6 +31,7 @@ Inputs and tests (``checks``, ``indices``):
     causal_topk_indices         random causal top-k indices for tests and demos
     varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
     cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
+    window_compressed_indices   DeepSeek-V4 key sets: sliding window + compressed groups
 
 Former names, deprecated until the next release:
     sparse_mqa_attention        = mqa_latent_sparse_attention
@@ -68,6 +69,7 @@ _EXPORTS = {
     "causal_topk_indices": "indices",
     "varlen_causal_topk_indices": "indices",
     "cu_seqlens_from_lengths": "indices",
+    "window_compressed_indices": "indices",
     # Paddle autograd op, model config and tensor-parallel layer
     "mqa_latent_sparse_attention": "op",
     "MQALatentAttentionConfig": "config",
