@@ -17,13 +17,18 @@ The two LSE forms, any device (``lse``):
 Paddle training (``op``, ``config``, ``layer``, ``tp``):
     mqa_latent_sparse_attention autograd op (paddle.autograd.PyLayer), cu_seqlens: packed docs
     MQALatentAttentionConfig    sizes of one attention block, validated when built
-    get_preset, load_config     presets (deepseek_v32, deepseek_v32_small) or a JSON file
+    get_preset, load_config     presets (deepseek_v32, deepseek_v32_small, deepseek_v4_*) or
+                                a JSON file
     MQALatentAttention          tensor-parallel attention layer (paddle.nn.Layer)
     init_full_weights           the unsharded weights a layer built with a seed holds
     copy_to_tensor_parallel     identity forward, all-reduce backward
     reduce_from_tensor_parallel all-reduce forward, identity backward
     all_to_all                  all-to-all forward, the reverse one backward (sequence partition)
     gather_from_tensor_parallel all-gather forward, all-reduce + own slice backward
+
+DeepSeek-V4 sparse attention, (Dk, Dv) = (512, 512) (``v4_config``, ``v4_layer``):
+    DeepSeekV4AttentionConfig   sizes of one V4 block (presets deepseek_v4_flash, _small)
+    DeepSeekV4Attention         tensor-parallel V4 block: window + compressed keys, compressor
 
 Inputs and tests (``checks``, ``indices``):
     check_tensors, Dims         the shared tensor checks and the named sizes they return
@@ -81,6 +86,9 @@ _EXPORTS = {
     "reduce_from_tensor_parallel": "tp",
     "all_to_all": "tp",
     "gather_from_tensor_parallel": "tp",
+    # DeepSeek-V4 sparse attention
+    "DeepSeekV4AttentionConfig": "v4_config",
+    "DeepSeekV4Attention": "v4_layer",
     # former names, deprecated until the next release
     "sparse_mqa_attention": "op",
     "MLAAttentionConfig": "config",
