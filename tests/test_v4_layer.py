@@ -253,7 +253,7 @@ def test_presets_through_config_module(tmp_path):
     assert (flash.kernel_dk, flash.kernel_dv, flash.sm_scale) == (512, 512, 512 ** -0.5)
     assert flash.keys_per_row(4096) == 640
     small = config_mod.load_config("deepseek_v4_small", tensor_parallel_degree=8)
-    assert (small.heads_per_rank, small.groups_per_rank, small.head_dim) == (2, 1, 512)
+    assert (small.heads_per_rank, small.groups_per_rank, small.head_dim) == (8, 1, 512)
     path = tmp_path / "v4.json"
     small.to_json_file(path)
     assert json.loads(path.read_text())["compress_ratio"] == 4

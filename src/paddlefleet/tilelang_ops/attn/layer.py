@@ -151,11 +151,13 @@ def init_full_weights(config: MQALatentAttentionConfig, seed: int = 0) -> dict:
     return _init_weights(config, seed, 0, config.num_attention_heads)
 
 
-def shard_of(name: str, full: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """This rank's slice of a full parameter (or of its gradient); replicated ones whole."""
-    if name not in SHARD_AXIS:
+def shard_of(name: str, full: np.ndarray, rank: int, world_size: int, axes=None) -> np.ndarray:
+    """This rank's slice of a full parameter (or of its gradient); replicated ones whole.
+    ``axes``: the split axis of each per-rank parameter, :data:`SHARD_AXIS` by default."""
+    axes = SHARD_AXIS if axes is None else axes
+    if name not in axes:
         return full
-    return np.split(np.asarray(full), world_size, axis=SHARD_AXIS[name])[rank]
+    return np.split(np.asarray(full), world_size, axis=axes[name])[rank]
 
 
 def _rms_norm(x, weight, eps):
@@ -273,7 +275,9 @@ class MQALatentAttention(paddle.nn.Layer):
         for name, param in self.named_parameters():
             if name not in full:
                 raise ValueError(f"load_full_weights: missing weight {name!r}")
-            value = shard_of(name, full[name], self.tp_rank, self.tp_size)
+            # (a layer class with other per-rank parameters names them in shard_axis)
+            value = shard_of(name, full[name], self.tp_rank, self.tp_size,
+                             getattr(self, "shard_axis", SHARD_AXIS))
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "

@@ -63,6 +63,7 @@ import paddle.nn.functional as F
 
 from .adapter import type_name
 from .indices import window_compressed_indices
+from . import layer
 from .layer import MQALatentAttention, _rms_norm, _rope
 from .op import mqa_latent_sparse_attention
 from .tp import (
@@ -142,9 +143,7 @@ def init_full_weights(config: DeepSeekV4AttentionConfig, seed: int = 0) -> dict:
 
 def shard_of(name: str, full: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """This rank's slice of a full parameter (or of its gradient); replicated ones whole."""
-    if name not in SHARD_AXIS:
-        return full
-    return np.split(np.asarray(full), world_size, axis=SHARD_AXIS[name])[rank]
+    return layer.shard_of(name, full, rank, world_size, SHARD_AXIS)
 
 
 def _documents(S: int, cu) -> list:
@@ -301,9 +300,10 @@ class DeepSeekV4Attention(paddle.nn.Layer):
                 f"D={c.head_dim}, window={c.window_size}, compress_ratio={c.compress_ratio}, "
                 f"compressed_topk={c.compressed_topk}, sink={c.use_attn_sink}")
 
-    # The V3.2 layer's: full weights in, cu_seqlens -> RoPE positions, the ranks' agreement and
-    # the sequence-partitioned core (they read only config.sm_scale/kernel_dv/backward_backend,
-    # the group and attn_sink, which this layer has alike).
+    # The V3.2 layer's: full weights in (split by shard_axis), cu_seqlens -> RoPE positions,
+    # the ranks' agreement and the sequence-partitioned core (they read only
+    # config.sm_scale/kernel_dv/backward_backend, the group and attn_sink, which this layer has
+    # alike).
     load_full_weights = MQALatentAttention.load_full_weights
     _packed_positions = MQALatentAttention._packed_positions
     _agree_before_exchange = MQALatentAttention._agree_before_exchange
