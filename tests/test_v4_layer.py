@@ -290,3 +290,29 @@ def test_presets_through_config_module(tmp_path):
 def test_config_errors(over, pattern):
     with pytest.raises(ValueError, match="^DeepSeekV4AttentionConfig." + pattern):
         tiny(**over)
+
+
+# --- the main job in one process ------------------------------------------------------------
+def test_train_step_runs_v4_packed_and_refuses_topk():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from helpers import REPO_ROOT
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, str(REPO_ROOT / "tools" / "train_step.py"), "--no-progress",
+             "--config", "deepseek_v4_small", *args], capture_output=True, text=True,
+            timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src")))
+
+    res = run("--steps", "3", "--doc-lens", "20,0,13")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("inputs: B 1, S 33, keys per row 192 (window 128, compress_ratio 4), sm_scale "
+            "0.0441942, 3 packed documents") in res.stdout, res.stdout
+    losses = [float(v) for v in re.findall(r"step \d+: loss ([0-9.]+)", res.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], res.stdout
+    assert " wkv_c " in res.stdout and " wo_b " in res.stdout
+    res = run("--topk", "8", "--seq-len", "16")
+    assert res.returncode == 1 and "--topk does not apply to 'deepseek_v4_small'" in res.stderr
