@@ -172,7 +172,8 @@ def test_kernel_wrapper_refuses_the_pair_until_built(monkeypatch):
     kv = paddle.to_tensor(np.zeros((1, 4, D), np.float32)).astype("bfloat16")
     idx = paddle.to_tensor(np.zeros((1, 4, 64), np.int32))
     monkeypatch.delattr(kernels, "D_PAIRS", raising=False)
-    with pytest.raises(ValueError, match=r"kernels for \(Dk, Dv\) = \(512, 512\) are not built yet"):
+    not_built = r"kernels for \(Dk, Dv\) = \(512, 512\) are not built yet"
+    with pytest.raises(ValueError, match=not_built):
         interface.mqa_latent_sparse_fwd(q, kv, idx, SM, d_v=D, provider=CpuStandIn())
     with pytest.raises(ValueError, match=r"take \(Dk, Dv\) in \[\(576, 512\)\], got Dk=512, Dv=64"):
         tiling.check_head_dims(512, 64)
