@@ -37,7 +37,8 @@ pytestmark = pytest.mark.multicard
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "v4_tp_worker.py")
 #: TP degree -> the specs (CASE@PARTITION) of its one launch; every degree runs both partitions.
 RUNS = {
-    2: ("c4@heads", "c4@sequence", "c4_packed@heads", "c4_packed@sequence", "win_nosink@heads"),
+    2: ("errors", "c4@heads", "c4@sequence", "c4_packed@heads", "c4_packed@sequence",
+        "win_nosink@heads"),
     4: ("c4@heads", "c4_s21@sequence", "c128@heads", "c128@sequence"),
     8: ("c4@heads", "c4@sequence", "c4_s21@sequence", "c128@heads", "win_nosink@sequence",
         "c4_packed@sequence"),
@@ -59,7 +60,8 @@ def _single(case: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "tp,spec", [(tp, spec) for tp, specs in RUNS.items() for spec in specs], ids=str)
+    "tp,spec", [(tp, spec) for tp, specs in RUNS.items() for spec in specs if "@" in spec],
+    ids=str)
 def test_v4_tp_matches_single_process(tp, spec):
     case = spec.split("@")[0]
     full = _single(case)
@@ -76,6 +78,22 @@ def test_v4_tp_matches_single_process(tp, spec):
             elif not rel_l2(got[key], want) <= TOL:
                 failures.append(f"rank {rank} {key}: rel L2 {rel_l2(got[key], want):.3e}")
     assert not failures, f"TP={tp} {spec}:\n" + "\n".join(failures)
+
+
+def test_v4_sequence_partition_errors_raise_on_every_rank():
+    """A pick out of range on rank 1 only: rank 1 raises it, rank 0 a ValueError naming rank 1
+    (no rank is left waiting in the exchange); on every rank: each raises it; the group is
+    still in step for the good call after them."""
+    own = "ValueError: compressed_indices: expected -1 or a group number in [0, 6)"
+    ranks = [dict(np.load(os.path.join(_ranks_results(2), f"errors_rank{r}.npz")))
+             for r in range(2)]
+    assert str(ranks[1]["pick_on_rank1"]).startswith(own), ranks[1]["pick_on_rank1"]
+    assert str(ranks[0]["pick_on_rank1"]).startswith(
+        "ValueError: DeepSeekV4Attention (attention_partition='sequence'): the input checks "
+        "failed on rank(s) [1]"), ranks[0]["pick_on_rank1"]
+    for r in range(2):
+        assert str(ranks[r]["pick_on_every_rank"]).startswith(own)
+        assert rel_l2(ranks[r]["y"], _single("c4")["y"]) <= TOL
 
 
 # --- the main job ---------------------------------------------------------------------------

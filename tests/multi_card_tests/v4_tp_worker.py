@@ -2,7 +2,8 @@
 
 Usage: v4_tp_worker.py OUT_DIR SPEC [SPEC ...]
 
-A SPEC is ``CASE@PARTITION``: a case of :data:`CASES` run with that attention partition.  Writes
+A SPEC is ``CASE@PARTITION`` (a case of :data:`CASES` run with that attention partition) or
+``errors`` (bad compressed picks on some ranks, :func:`errors`).  Writes
 OUT_DIR/<spec>_rank<r>.npz (output, input gradient, this rank's parameter gradients); the
 pytest process (test_v4_tp.py) compares them with one process.  The pytest process imports
 :func:`run_case` from here for that single-process run.
@@ -80,17 +81,46 @@ def run_case(name: str, tp: int, group=None, partition: str = "heads") -> dict:
     return out
 
 
+def errors(rank: int) -> dict:
+    """The "sequence" layer with a compressed pick out of range on rank 1 only, then on every
+    rank, then a good call: what each rank raised (``type: message``) and the good output.  A
+    check failing on some ranks only must not leave the others waiting in the exchange."""
+    import paddle
+
+    from paddlefleet.tilelang_ops.attn.v4_layer import DeepSeekV4Attention
+
+    full, x, picks, _, _ = case_inputs("c4")
+    layer = DeepSeekV4Attention(case_config("c4", paddle.distributed.get_world_size(),
+                                            "sequence"))
+    layer.load_full_weights(full)
+    out = {}
+    for case in ("pick_on_rank1", "pick_on_every_rank"):
+        bad = picks.copy()
+        if case == "pick_on_every_rank" or rank == 1:
+            bad[0, 20, 0] = 6  # S = 24: groups 0 .. 5
+        try:
+            layer(paddle.to_tensor(x), paddle.to_tensor(bad))
+            out[case] = np.array("no error")
+        except Exception as e:  # noqa: BLE001 (recorded for the pytest process)
+            out[case] = np.array(f"{type(e).__name__}: {e}")
+    out["y"] = layer(paddle.to_tensor(x), paddle.to_tensor(picks)).numpy()
+    return out
+
+
 def main(out_dir: str, specs) -> None:
     import paddle.distributed as dist
 
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
     for spec in specs:
-        case, partition = spec.split("@")
-        # group=None: the world group, the tensor-parallel group here (gloo sub-groups are
-        # broken on the CPU wheel, Paddle 3.3.1)
-        np.savez(os.path.join(out_dir, f"{spec}_rank{rank}.npz"),
-                 **run_case(case, world, partition=partition))
+        if spec == "errors":
+            result = errors(rank)
+        else:
+            case, partition = spec.split("@")
+            # group=None: the world group, the tensor-parallel group here (gloo sub-groups are
+            # broken on the CPU wheel, Paddle 3.3.1)
+            result = run_case(case, world, partition=partition)
+        np.savez(os.path.join(out_dir, f"{spec}_rank{rank}.npz"), **result)
     dist.barrier()
 
 

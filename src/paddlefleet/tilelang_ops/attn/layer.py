@@ -356,7 +356,7 @@ class MQALatentAttention(paddle.nn.Layer):
         failed = np.flatnonzero(info[:, 0]).tolist()
         if failed:
             raise ValueError(
-                "MQALatentAttention (attention_partition='sequence'): the input checks failed "
+                f"{type(self).__name__} (attention_partition='sequence'): the input checks failed "
                 f"on rank(s) {failed} of the tensor-parallel group (the error is raised there); "
                 "hidden_states, token_indices and cu_seqlens must be the same on every rank"
             )
