@@ -219,3 +219,144 @@ def test_sizes_it_cannot_make_are_refused_before_allocating():
         causal_topk_indices(1, 1, 2**31 + 5, 1, dtype="int64")
     with pytest.raises(TypeError, match="lengths"):
         cu_seqlens_from_lengths({1: 2})
+
+
+# --- DeepSeek-V4: window + compressed keys ---------------------------------------------------
+from paddlefleet.tilelang_ops.attn.indices import window_compressed_indices  # noqa: E402
+
+
+def test_window_only_exact():
+    idx = window_compressed_indices(5, window=3)
+    assert idx.shape == (1, 5, 3) and idx.dtype == np.int32
+    np.testing.assert_array_equal(
+        idx[0], [[0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3], [2, 3, 4]])
+
+
+def test_every_group_exact():
+    """ratio 2, S = 6: groups j = 0, 1, 2 are keys 6, 7, 8; row s sees j < (s + 1) // 2."""
+    idx = window_compressed_indices(6, window=3, ratio=2, batch=2, dtype="int64")
+    assert idx.shape == (2, 6, 6) and idx.dtype == np.int64
+    expected = [
+        [0, -1, -1, -1, -1, -1],
+        [0, 1, -1, 6, -1, -1],
+        [0, 1, 2, 6, -1, -1],
+        [1, 2, 3, 6, 7, -1],
+        [2, 3, 4, 6, 7, -1],
+        [3, 4, 5, 6, 7, 8],
+    ]
+    np.testing.assert_array_equal(idx[0], expected)
+    np.testing.assert_array_equal(idx[1], expected)
+
+
+def test_incomplete_last_group_has_no_key():
+    """S = 7, ratio 3: two complete groups (keys 7, 8); token 6 belongs to none."""
+    idx = window_compressed_indices(7, window=2, ratio=3)
+    np.testing.assert_array_equal(idx[0], [
+        [0, -1, -1, -1], [0, 1, -1, -1], [1, 2, 7, -1], [2, 3, 7, -1], [3, 4, 7, -1],
+        [4, 5, 7, 8], [5, 6, 7, 8],
+    ])
+
+
+def test_topk_at_least_visible_takes_every_group_exact():
+    """ratio 4, compressed_topk 3 >= the 2 groups of S = 9: no choice left, padded to 3."""
+    idx = window_compressed_indices(9, window=2, ratio=4, compressed_topk=3, seed=5)
+    np.testing.assert_array_equal(idx[0], [
+        [0, -1, -1, -1, -1], [0, 1, -1, -1, -1], [1, 2, -1, -1, -1], [2, 3, 9, -1, -1],
+        [3, 4, 9, -1, -1], [4, 5, 9, -1, -1], [5, 6, 9, -1, -1], [6, 7, 9, 10, -1],
+        [7, 8, 9, 10, -1],
+    ])
+
+
+def loop_layout(S, window, ratio, topk_picks=None):
+    """The rule written row by row: window keys, then visible groups (or a row's picks)."""
+    rows = []
+    for s in range(S):
+        win = [t for t in range(max(0, s - window + 1), s + 1)]
+        win += [-1] * (window - len(win))
+        comp = []
+        if ratio is not None:
+            comp = [S + j for j in range(S // ratio) if (j + 1) * ratio <= s + 1]
+            comp += [-1] * (S // ratio - len(comp))
+        rows.append(win + comp)
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("S,window,ratio", [(300, 128, 128), (64, 16, 4), (40, 128, None),
+                                            (17, 1, 5)])
+def test_static_layout_matches_the_row_rule(S, window, ratio):
+    idx = window_compressed_indices(S, window=window, ratio=ratio)
+    np.testing.assert_array_equal(idx[0], loop_layout(S, window, ratio))
+
+
+def test_ratio_128_rows():
+    """V4's C128 layer at S = 512: row 126 sees no group, row 127 group 0, row 511 all four."""
+    S = 512
+    idx = window_compressed_indices(S, ratio=128)
+    assert idx.shape == (1, S, 128 + 4)
+    np.testing.assert_array_equal(idx[0, 126, 128:], [-1] * 4)
+    np.testing.assert_array_equal(idx[0, 127, 128:], [S, -1, -1, -1])
+    np.testing.assert_array_equal(idx[0, 511, 128:], [S, S + 1, S + 2, S + 3])
+    np.testing.assert_array_equal(idx[0, 511, :128], np.arange(384, 512))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_chosen_groups_are_distinct_visible_sorted(monkeypatch, chunked):
+    if chunked:  # one row per draw step keeps every rule
+        monkeypatch.setattr(indices_mod, "_ROW_BUDGET_ELEMS", 1)
+    S, W, ratio, K, B = 200, 8, 4, 6, 3
+    idx = window_compressed_indices(S, window=W, ratio=ratio, compressed_topk=K, batch=B, seed=9)
+    assert idx.shape == (B, S, W + K)
+    static = loop_layout(S, W, None)
+    for b in range(B):
+        np.testing.assert_array_equal(idx[b, :, :W], static)
+        for s in range(S):
+            n = min(K, (s + 1) // ratio)
+            comp = idx[b, s, W:]
+            assert (comp[n:] == -1).all(), (b, s, comp)
+            keys = comp[:n]
+            assert (np.diff(keys) > 0).all(), (b, s, comp)
+            assert (keys >= S).all() and ((keys - S + 1) * ratio <= s + 1).all(), (b, s, comp)
+    assert not np.array_equal(idx[0], idx[1])  # each batch row draws its own
+
+
+def test_chosen_groups_are_uniform_and_seeded():
+    """A row that sees 16 groups takes each with probability 4 / 16."""
+    B, S, ratio, K = 400, 64, 4, 4  # the last row sees 16 groups
+    idx = window_compressed_indices(S, window=1, ratio=ratio, compressed_topk=K, batch=B, seed=2)
+    counts = np.bincount(idx[:, -1, 1:].reshape(-1) - S, minlength=16)
+    # Binomial(400, 1/4) per group: mean 100, sd ~ 8.7; +-40 is > 4.5 sd (fixed seed).
+    assert np.abs(counts - 100).max() < 40, counts
+    again = window_compressed_indices(S, window=1, ratio=ratio, compressed_topk=K, batch=B, seed=2)
+    np.testing.assert_array_equal(idx, again)
+    other = window_compressed_indices(S, window=1, ratio=ratio, compressed_topk=K, batch=B, seed=3)
+    assert not np.array_equal(idx, other)
+    wide = window_compressed_indices(S, window=1, ratio=ratio, compressed_topk=K, batch=B, seed=2,
+                                     dtype="int64")
+    assert wide.dtype == np.int64
+    np.testing.assert_array_equal(idx, wide)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        (dict(seq_len=0), ValueError, "^seq_len: expected a positive int, got 0"),
+        (dict(window=0), ValueError, "^window: expected a positive int, got 0"),
+        (dict(window=2.0), TypeError, "^window: expected a positive Python int, got float"),
+        (dict(batch=True), TypeError, "^batch: expected a positive Python int, got bool"),
+        (dict(ratio=1), ValueError, "^ratio: expected None or an int >= 2"),
+        (dict(ratio=4.0), TypeError, "^ratio: expected None or a Python int >= 2, got float"),
+        (dict(ratio=4, compressed_topk=0), ValueError, "^compressed_topk: expected a positive"),
+        (dict(compressed_topk=4), ValueError, "^compressed_topk: expected None without ratio"),
+        (dict(seed=-1), ValueError, "^seed: expected an int >= 0, got -1"),
+        (dict(seed=1.0), TypeError, "^seed: expected a Python int, got float"),
+        (dict(dtype="int8"), ValueError, "^dtype: expected 'int32' or 'int64', got 'int8'"),
+        (dict(dtype=np.int64), TypeError, "^dtype: expected 'int32' or 'int64', got type"),
+        (dict(seq_len=2**31 - 10, ratio=4), ValueError, "^seq_len: expected S . S // ratio <= "),
+        (dict(seq_len=1 << 24, dtype="int64"), ValueError, "^seq_len: batch x seq_len x"),
+    ],
+)
+def test_window_compressed_bad_arguments(kwargs, exc, pattern):
+    args = dict(seq_len=16)
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        window_compressed_indices(args.pop("seq_len"), **args)

@@ -21,6 +21,8 @@ Examples:
     # packed documents of 100, 412 and 0 tokens in one row (B = 1, cu_seqlens, per-document
     # causal top-k indices, RoPE restarting in each document)
     python tools/train_step.py --config deepseek_v32_small --doc-lens 100,412,0
+    # DeepSeek-V4's block (D 512 = value, window 128 + 64 compressed picks, ratio 4), 8 ranks
+    python tools/train_step.py --config deepseek_v4_small --nproc 8
     # Hopper GPU with paddlepaddle-gpu + tilelang-paddle: DeepSeek-V3.2 attention shape
     # (S = 4096, top-k 2048, 128 heads, Dk 576 / Dv 512), TileLang forward and backward
     python tools/train_step.py --config deepseek_v32 --backward-backend tilelang
@@ -30,7 +32,10 @@ batch 1, 4096 tokens.  The top-k width is ``min(config.index_topk, seq_len)``; i
 from ``causal_topk_indices`` (random causal keys; the DSA indexer is out of scope).  With
 ``--doc-lens`` the row packs documents of those lengths (``S`` = their sum, ``B`` = 1); indices
 come from ``varlen_causal_topk_indices`` and the default top-k width is
-``min(config.index_topk, longest document)``.  The progress bar is drawn only on a terminal.
+``min(config.index_topk, longest document)``.  A DeepSeek-V4 config (``deepseek_v4_*``, a
+``DeepSeekV4Attention``) attends to its window and compressed keys instead; a ratio-4 layer's
+compressed picks come from ``v4_layer.random_compressed_picks`` (the indexer is out of scope)
+and ``--topk`` does not apply.  The progress bar is drawn only on a terminal.
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train_step.py", description=intro, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
-                   help="preset name (deepseek_v32, deepseek_v32_small) or JSON path "
+                   help="preset name (deepseek_v32, deepseek_v32_small, deepseek_v4_flash, "
+                        "deepseek_v4_small) or JSON path "
                         "(default: deepseek_v32 on a GPU, deepseek_v32_small on CPU)")
     p.add_argument("--backward-backend", choices=("tilelang", "reference"), default=None,
                    help="override the config's backward_backend (default: the config's)")
@@ -200,6 +206,8 @@ def _grad_norms(layer, group) -> dict:
 
     from paddlefleet.tilelang_ops.attn.layer import SHARD_AXIS
     from paddlefleet.tilelang_ops.attn.tp import group_world_size
+
+    SHARD_AXIS = getattr(layer, "shard_axis", SHARD_AXIS)  # a DeepSeekV4Attention's own
 
     names, squares, sharded = [], [], []
     for name, p in layer.named_parameters():
@@ -336,11 +344,19 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
 
     name, cfg = _load_config(args, on_gpu, world)
     S, B = args.seq_len, args.batch
-    L = args.topk if args.topk is not None else min(cfg.index_topk, S)
+    v4 = not hasattr(cfg, "index_topk")  # a DeepSeekV4AttentionConfig: window + compressed keys
+    if v4 and args.topk is not None:
+        raise SystemExit(f"error: --topk does not apply to {name!r}: its rows attend to the "
+                         f"window and compressed keys (compressed_topk is a config field)")
+    if v4:
+        L = cfg.keys_per_row(S)
+    else:
+        L = args.topk if args.topk is not None else min(cfg.index_topk, S)
     cu_np = cu_seqlens = None
     if args.doc_lens is not None:  # packed documents (_resolve checked B 1 and S = their sum)
         cu_np = cu_seqlens_from_lengths(args.doc_lens)
-        L = args.topk if args.topk is not None else min(cfg.index_topk, max(args.doc_lens))
+        if not v4:
+            L = args.topk if args.topk is not None else min(cfg.index_topk, max(args.doc_lens))
         # on the host: the layer reads it for RoPE positions and checks only (no device sync)
         cu_seqlens = paddle.to_tensor(cu_np, place=paddle.CPUPlace())
     log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
@@ -348,18 +364,31 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
         f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
         f"attention partition {cfg.attention_partition}, device {'gpu' if on_gpu else 'cpu'}")
 
-    layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
+    if v4:
+        from paddlefleet.tilelang_ops.attn.v4_layer import (
+            DeepSeekV4Attention,
+            random_compressed_picks,
+        )
+
+        layer = DeepSeekV4Attention(cfg, seed=args.seed)
+    else:
+        layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
     opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=layer.parameters())
     rng = np.random.default_rng(args.seed + 1)  # same inputs on every rank
     x = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
     target = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
-    if cu_np is None:
+    if v4:  # the ratio-4 layer's compressed picks (None for the other layer types)
+        picks = random_compressed_picks(cfg, S, batch=B, cu_seqlens=cu_np, seed=args.seed + 2)
+        idx = None if picks is None else paddle.to_tensor(picks)
+    elif cu_np is None:
         idx = paddle.to_tensor(causal_topk_indices(B, S, S, L, seed=args.seed + 2))
     else:
         idx = paddle.to_tensor(varlen_causal_topk_indices(cu_np, L, seed=args.seed + 2))
     packed = "" if cu_np is None else (
         f", {len(args.doc_lens)} packed documents (lengths {','.join(map(str, args.doc_lens))})")
-    log(f"inputs: B {B}, S {S}, top-k {L}, sm_scale {cfg.sm_scale:.6g}{packed}")
+    keys = (f"keys per row {L} (window {cfg.window_size}, compress_ratio {cfg.compress_ratio})"
+            if v4 else f"top-k {L}")
+    log(f"inputs: B {B}, S {S}, {keys}, sm_scale {cfg.sm_scale:.6g}{packed}")
 
     # A bar only where it can be drawn: on a terminal, or on the console of a launch whose
     # caller is on one (it passes --no-progress otherwise).

@@ -17,7 +17,8 @@ The two LSE forms, any device (``lse``):
 Paddle training (``op``, ``config``, ``layer``, ``tp``):
     mqa_latent_sparse_attention autograd op (PyLayer); cu_seqlens: packed docs; deterministic
     MQALatentAttentionConfig    sizes of one attention block, validated when built
-    get_preset, load_config     presets (deepseek_v32, deepseek_v32_small) or a JSON file
+    get_preset, load_config     presets (deepseek_v32, deepseek_v32_small, deepseek_v4_*) or
+                                a JSON file
     MQALatentAttention          tensor-parallel attention layer (paddle.nn.Layer)
     init_full_weights           the unsharded weights a layer built with a seed holds
     copy_to_tensor_parallel     identity forward, all-reduce backward
@@ -25,12 +26,17 @@ Paddle training (``op``, ``config``, ``layer``, ``tp``):
     all_to_all                  all-to-all forward, the reverse one backward (sequence partition)
     gather_from_tensor_parallel all-gather forward, all-reduce + own slice backward
 
+DeepSeek-V4 sparse attention, (Dk, Dv) = (512, 512) (``v4_config``, ``v4_layer``):
+    DeepSeekV4AttentionConfig   sizes of one V4 block (presets deepseek_v4_flash, _small)
+    DeepSeekV4Attention         tensor-parallel V4 block: window + compressed keys, compressor
+
 Inputs and tests (``checks``, ``indices``):
     check_tensors, Dims         the shared tensor checks and the named sizes they return
     check_values                the value checks (index range, sink, lse): one device read
     causal_topk_indices         random causal top-k indices for tests and demos
     varlen_causal_topk_indices  the same per document of a packed row (cu_seqlens)
     cu_seqlens_from_lengths     document lengths -> int32 cu_seqlens boundaries
+    window_compressed_indices   DeepSeek-V4 key sets: sliding window + compressed groups
 
 Every name is loaded on first use, so importing this package pulls in neither Paddle, PyTorch
 nor TileLang; ``help(name)`` documents each one (shapes, dtypes, errors).  The math is
@@ -59,6 +65,7 @@ _EXPORTS = {
     "causal_topk_indices": "indices",
     "varlen_causal_topk_indices": "indices",
     "cu_seqlens_from_lengths": "indices",
+    "window_compressed_indices": "indices",
     # Paddle autograd op, model config and tensor-parallel layer
     "mqa_latent_sparse_attention": "op",
     "MQALatentAttentionConfig": "config",
@@ -70,6 +77,9 @@ _EXPORTS = {
     "reduce_from_tensor_parallel": "tp",
     "all_to_all": "tp",
     "gather_from_tensor_parallel": "tp",
+    # DeepSeek-V4 sparse attention
+    "DeepSeekV4AttentionConfig": "v4_config",
+    "DeepSeekV4Attention": "v4_layer",
 }
 
 __all__ = sorted(_EXPORTS)

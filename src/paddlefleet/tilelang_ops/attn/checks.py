@@ -83,8 +83,9 @@ _LAYOUTS = {
 class Dims:
     """The named sizes of one call (``docs/conventions.md``, "Shapes and dtypes").
 
-    B: batch; S: query rows; H: query heads; Dk: query/key width (576 for DeepSeek-V3.2);
-    Dv: value width (the first ``Dv`` columns of ``kv``; 512); S_kv: key rows; L: top-k width.
+    B: batch; S: query rows; H: query heads; Dk: query/key width (576 for DeepSeek-V3.2, 512
+    for DeepSeek-V4); Dv: value width (the first ``Dv`` columns of ``kv``; 512 for both, so
+    V4's value is the whole kv row); S_kv: key rows; L: top-k width.
     """
 
     B: int

@@ -290,13 +290,13 @@ class MQALatentAttentionConfig:
         JSON file should not be silently ignored)."""
         if not isinstance(data, Mapping):
             raise TypeError(
-                f"MQALatentAttentionConfig.from_dict expects a mapping, got {type(data).__name__}"
+                f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}"
             )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"MQALatentAttentionConfig: unknown field(s) {unknown}; known fields: "
+                f"{cls.__name__}: unknown field(s) {unknown}; known fields: "
                 f"{sorted(known)}"
             )
         missing = sorted(
@@ -305,7 +305,7 @@ class MQALatentAttentionConfig:
             if f.default is dataclasses.MISSING and f.name not in data
         )
         if missing:
-            raise ValueError(f"MQALatentAttentionConfig: missing required field(s) {missing}")
+            raise ValueError(f"{cls.__name__}: missing required field(s) {missing}")
         return cls(**dict(data))
 
     @classmethod
@@ -318,12 +318,7 @@ class MQALatentAttentionConfig:
                 Python's 4300 digits included) or not a JSON object, or gives a field twice, or
                 a field is unknown, missing or invalid; every message names the file.
         """
-        data = _read_json_object(path)
-        try:
-            return cls.from_dict({**data, **overrides})
-        except ValueError as e:
-            given = f" with overrides {sorted(overrides)}" if overrides else ""
-            raise ValueError(f"config file {os.fspath(path)!r}{given}: {e}") from None
+        return _from_file_data(cls, path, _read_json_object(path), overrides)
 
     def to_json_file(self, path: str | os.PathLike) -> None:
         """Write the config as a JSON object (``indent=2``) to ``path``, atomically.
@@ -375,6 +370,16 @@ class MQALatentAttentionConfig:
 
 class _FieldGivenTwice(ValueError):
     pass
+
+
+def _from_file_data(cls, path, data: dict, overrides: dict):
+    """``cls`` from the fields read from ``path`` and ``overrides``; a field's ``ValueError``
+    names the file (and the overrides)."""
+    try:
+        return cls.from_dict({**data, **overrides})
+    except ValueError as e:
+        given = f" with overrides {sorted(overrides)}" if overrides else ""
+        raise ValueError(f"config file {os.fspath(path)!r}{given}: {e}") from None
 
 
 def _read_json_object(path: str | os.PathLike) -> dict:
@@ -451,16 +456,29 @@ _DEEPSEEK_V32_SMALL = dict(
 PRESETS: dict = {"deepseek_v32": _DEEPSEEK_V32, "deepseek_v32_small": _DEEPSEEK_V32_SMALL}
 
 
-def get_preset(name: str, **overrides) -> MQALatentAttentionConfig:
-    """A preset by name (``"deepseek_v32"`` or ``"deepseek_v32_small"``), fields overridable."""
+def _v4():
+    # DeepSeek-V4's config and presets (attn/v4_config.py, which imports this module)
+    from . import v4_config
+
+    return v4_config
+
+
+def get_preset(name: str, **overrides):
+    """A preset by name (``"deepseek_v32"`` or ``"deepseek_v32_small"``; DeepSeek-V4's
+    ``"deepseek_v4_flash"`` and ``"deepseek_v4_small"`` give a
+    :class:`~.v4_config.DeepSeekV4AttentionConfig`), fields overridable."""
+    if name in _v4().PRESETS:
+        return _v4().DeepSeekV4AttentionConfig.from_dict({**_v4().PRESETS[name], **overrides})
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; choose one of "
+                         f"{sorted(PRESETS) + sorted(_v4().PRESETS)}")
     return MQALatentAttentionConfig.from_dict({**PRESETS[name], **overrides})
 
 
-def load_config(name_or_path: str | os.PathLike, **overrides) -> MQALatentAttentionConfig:
+def load_config(name_or_path: str | os.PathLike, **overrides):
     """A preset name or a path to a JSON file (a JSON object of config fields, e.g. written by
-    :meth:`MQALatentAttentionConfig.to_json_file`), fields overridable.
+    :meth:`MQALatentAttentionConfig.to_json_file`), fields overridable.  A file with a
+    ``compress_ratio`` field is a DeepSeek-V4 block's (:class:`~.v4_config.DeepSeekV4AttentionConfig`).
 
     Raises:
         ValueError: neither a preset nor a file; malformed JSON (naming the file); an unknown,
@@ -468,10 +486,15 @@ def load_config(name_or_path: str | os.PathLike, **overrides) -> MQALatentAttent
         OSError: the file cannot be read.
     """
     s = os.fspath(name_or_path)
-    if s in PRESETS:
+    if s in PRESETS or s in _v4().PRESETS:
         return get_preset(s, **overrides)
     if os.path.isfile(s):
-        return MQALatentAttentionConfig.from_json_file(s, **overrides)
+        data = _read_json_object(s)
+        # a DeepSeek-V4 block's file names its compress_ratio, a field only that config has
+        cls = (_v4().DeepSeekV4AttentionConfig if "compress_ratio" in data
+               else MQALatentAttentionConfig)
+        return _from_file_data(cls, s, data, overrides)
     raise ValueError(
-        f"config {s!r} is neither a preset ({sorted(PRESETS)}) nor an existing JSON file"
+        f"config {s!r} is neither a preset ({sorted(PRESETS) + sorted(_v4().PRESETS)}) nor "
+        f"an existing JSON file"
     )

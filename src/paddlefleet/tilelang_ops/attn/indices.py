@@ -206,3 +206,131 @@ def varlen_causal_topk_indices(
         block = causal_topk_indices(1, b - a, b - a, L, seed=doc_seed, dtype="int64")
         out[:, a:b] = np.where(block >= 0, block + a, -1)
     return out
+
+
+# --- DeepSeek-V4: sliding window + compressed keys ----------------------------------------------
+__all__.append("window_compressed_indices")
+# Largest index array window_compressed_indices makes (1 GiB of int32).
+_MAX_LAYOUT_ELEMS = 1 << 28
+
+def _seed_and_dtype(seed, dtype) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed}")
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
+    if dtype not in ("int32", "int64"):
+        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+
+
+def window_compressed_indices(
+    seq_len: int,
+    *,
+    window: int = 128,
+    ratio=None,
+    compressed_topk=None,
+    batch: int = 1,
+    seed: int = 0,
+    dtype: str = "int32",
+) -> np.ndarray:
+    """The key sets of DeepSeek-V4's sparse attention: a causal sliding window plus compressed keys.
+
+    The keys are the rows of ``kv = concat(vanilla kv [S], compressed kv [S // ratio])`` along
+    the sequence (``S_kv = S + S // ratio``): key ``t < S`` is token ``t``, key ``S + j`` is
+    compressed group ``j`` (tokens ``j*ratio .. (j+1)*ratio - 1``).  Row ``s`` holds
+
+    * the window: keys ``max(0, s - window + 1) .. s`` in ascending order, then ``-1`` up to
+      ``window`` slots (rows ``s < window - 1`` only);
+    * when ``ratio`` is set, the compressed groups it may see: group ``j`` is visible once it is
+      complete, ``(j + 1) * ratio <= s + 1``, i.e. ``j < (s + 1) // ratio`` (the rule of the
+      DeepSeek-V4 training code, radixark/miles ``deepseek_v4/ops/topk_idx_ref.py`` and its
+      indexer mask).  With ``compressed_topk=None`` (V4's ratio-128 layers) every visible
+      group is taken, ``S + 0, S + 1, ...``, in ``S // ratio`` slots; with an int (V4's ratio-4
+      layers, where a learned indexer picks them) a seeded uniform choice of
+      ``min(compressed_topk, visible)`` distinct visible groups stands in for the indexer, in
+      ascending order, in ``compressed_topk`` slots.  Unused slots are ``-1``.
+
+    Trailing tokens of an incomplete group (``S % ratio``) get no compressed key.  The same
+    arguments always give the same array; the batch rows of a static layout are equal.
+
+    Args:
+        seq_len: tokens ``S >= 1``.
+        window: sliding-window width ``>= 1`` (V4: 128).
+        ratio: ``None`` (window only) or the compression ratio, an int ``>= 2`` (V4: 4, 128).
+        compressed_topk: ``None`` (every visible group) or the compressed slots, an int
+            ``>= 1`` (V4-Flash: 512, V4-Pro: 1024, with ratio 4); needs ``ratio``.
+        batch: ``B >= 1``.
+        seed: seed ``>= 0`` of the compressed choice.
+        dtype: ``"int32"`` or ``"int64"``.
+
+    Returns:
+        ``numpy.ndarray [B, S, L]`` of ``dtype``, ``L = window + compressed slots``: ``window``
+        (no ratio), ``window + S // ratio`` (every group) or ``window + compressed_topk``.
+
+    Raises:
+        TypeError: a size, ``ratio``, ``compressed_topk`` or ``seed`` is not an int, or
+            ``dtype`` is not a string.
+        ValueError: a size is not positive, ``ratio < 2``, ``compressed_topk`` without
+            ``ratio``, ``seed < 0``, ``dtype`` not int32/int64, or the sizes past what int32
+            indices or this helper's memory budget allow.
+    """
+    S = _positive_int(seq_len, "seq_len")
+    W = _positive_int(window, "window")
+    B = _positive_int(batch, "batch")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Integral):
+            raise TypeError(f"ratio: expected None or a Python int >= 2, got "
+                            f"{type(ratio).__name__}")
+        if ratio < 2:
+            raise ValueError(f"ratio: expected None or an int >= 2 (DeepSeek-V4: 4, 128), got "
+                             f"{ratio}")
+        ratio = int(ratio)
+    if compressed_topk is not None:
+        K = _positive_int(compressed_topk, "compressed_topk")
+        if ratio is None:
+            raise ValueError(f"compressed_topk: expected None without ratio (a window-only "
+                             f"layer has no compressed keys), got {K}")
+    _seed_and_dtype(seed, dtype)
+    G = 0 if ratio is None else S // ratio  # complete groups = compressed keys
+    if dtype == "int32" and S + G > np.iinfo(np.int32).max:
+        raise ValueError(f"seq_len: expected S + S // ratio <= {np.iinfo(np.int32).max} key "
+                         f"rows for int32 indices, got {S + G}")
+    slots = G if compressed_topk is None else K
+    if B * S * (W + slots) > _MAX_LAYOUT_ELEMS or B * G > _MAX_ROW_ELEMS:
+        raise ValueError(f"seq_len: batch x seq_len x (window + compressed slots) = "
+                         f"{B * S * (W + slots)} indices is more than this helper makes "
+                         f"({_MAX_LAYOUT_ELEMS}); it is for tests, benchmarks and demos")
+
+    out = np.full((B, S, W + slots), -1, dtype=dtype)
+    rows = np.arange(S)
+    # Window: W consecutive keys from max(0, s - W + 1); those past s (early rows) are -1.
+    win = np.maximum(rows - W + 1, 0)[:, None] + np.arange(W)[None, :]
+    out[:, :, :W] = np.where(win <= rows[:, None], win, -1)
+    if ratio is None or G == 0:
+        return out
+    visible = (rows + 1) // ratio  # groups row s may see: 0 .. visible - 1
+    if compressed_topk is None:
+        grp = np.arange(G)[None, :]
+        out[:, :, W:] = np.where(grp < visible[:, None], S + grp, -1)
+        return out
+
+    rng = np.random.default_rng(int(seed))
+    width = max(G, K)
+    groups = np.arange(width)
+    step = max(1, _ROW_BUDGET_ELEMS // (B * width))
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        # One uniform per (row, group); hidden groups get 2.0 (> any uniform), so the K
+        # smallest are a uniform choice of visible groups, padded by hidden ones.
+        r = rng.random((B, s1 - s0, width), dtype=np.float32)
+        hidden = groups[None, None, :] >= visible[None, s0:s1, None]
+        r[np.broadcast_to(hidden, r.shape)] = 2.0
+        if K < width:
+            pick = np.argpartition(r, K - 1, axis=-1)[..., :K]
+        else:
+            pick = np.broadcast_to(groups, r.shape).copy()
+        # Ascending visible groups, then the hidden ones as -1.
+        pick = np.sort(np.where(pick < visible[None, s0:s1, None], pick, width), axis=-1)
+        out[:, s0:s1, W:] = np.where(pick < width, S + pick, -1)
+    return out

@@ -165,11 +165,13 @@ def init_full_weights(config: MQALatentAttentionConfig, seed: int = 0) -> dict:
     return _init_weights(config, seed, 0, config.num_attention_heads)
 
 
-def shard_of(name: str, full: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """This rank's slice of a full parameter (or of its gradient); replicated ones whole."""
-    if name not in SHARD_AXIS:
+def shard_of(name: str, full: np.ndarray, rank: int, world_size: int, axes=None) -> np.ndarray:
+    """This rank's slice of a full parameter (or of its gradient); replicated ones whole.
+    ``axes``: the split axis of each per-rank parameter, :data:`SHARD_AXIS` by default."""
+    axes = SHARD_AXIS if axes is None else axes
+    if name not in axes:
         return full
-    return np.split(np.asarray(full), world_size, axis=SHARD_AXIS[name])[rank]
+    return np.split(np.asarray(full), world_size, axis=axes[name])[rank]
 
 
 def _rms_norm(x, weight, eps):
@@ -318,7 +320,9 @@ class MQALatentAttention(paddle.nn.Layer):
             )
         values = {}
         for name, param in params.items():
-            value = shard_of(name, full[name], self.tp_rank, self.tp_size)
+            # (a layer class with other per-rank parameters names them in shard_axis)
+            value = shard_of(name, full[name], self.tp_rank, self.tp_size,
+                             getattr(self, "shard_axis", SHARD_AXIS))
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
@@ -416,7 +420,7 @@ class MQALatentAttention(paddle.nn.Layer):
         failed = np.flatnonzero(info[:, 0]).tolist()
         if failed:
             raise ValueError(
-                "MQALatentAttention (attention_partition='sequence'): the input checks failed "
+                f"{type(self).__name__} (attention_partition='sequence'): the input checks failed "
                 f"on rank(s) {failed} of the tensor-parallel group (the error is raised there); "
                 "hidden_states, token_indices and cu_seqlens must be the same on every rank"
             )

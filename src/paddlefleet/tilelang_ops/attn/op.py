@@ -261,7 +261,8 @@ def mqa_latent_sparse_attention(
             fp64 for fp64 inputs; any device) or ``None`` (``"tilelang"`` on CUDA,
             ``"reference"`` on CPU).  It chooses the *backward* only: on CUDA the forward is
             always the TileLang kernel (see the limit below).
-        d_v: value width ``Dv`` (keyword only; 512 = DeepSeek-V3.2's ``kv_lora_rank``).
+        d_v: value width ``Dv`` (keyword only; 512 = DeepSeek-V3.2's ``kv_lora_rank``; with
+            ``Dk = Dv = 512``, DeepSeek-V4, the value is the whole kv row).
         cu_seqlens: ``[num_docs + 1]`` int32 boundaries of packed documents (keyword only), or
             ``None``; a ``paddle.Tensor`` on any place or a ``numpy.ndarray``, starting at 0,
             non-decreasing, ending at ``S``.  Only checked, never read by the kernels (see
@@ -291,7 +292,9 @@ def mqa_latent_sparse_attention(
         # alone (q[:, :100], kv[:, :100]), out[:, 100:] the second (indices shifted by -100)
 
     CUDA limit: the forward on CUDA tensors always runs the TileLang kernel, which is built for
-    ``(Dk, Dv) = (576, 512)`` only (``tiling.SUPPORTED_DIMS``) and bf16 inputs.  Any other head
+    ``(Dk, Dv) = (576, 512)`` only (``tiling.kernel_dims()``) and bf16 inputs; DeepSeek-V4's
+    ``(512, 512)`` (``tiling.SUPPORTED_DIMS``) runs on CPU tensors, and on CUDA raises a
+    ``ValueError`` saying its kernels are not built yet.  Any other head
     dims on CUDA (e.g. the ``deepseek_v32_small`` preset, Dk 80 / Dv 64) raise ``ValueError``
     in the forward *even with* ``backward_backend="reference"``: there is no reference
     fallback for the CUDA forward.  Run such configs on CPU tensors (reference forward and

@@ -149,7 +149,8 @@ def mqa_latent_sparse_fwd_ref(
             finite (``docs/conventions.md``, "Range of logits handled exactly").
         attn_sink: ``[H]`` float32/float64 sink logits (raw, not scaled), or ``None``; finite
             or ``-inf`` (that head has no sink), never NaN or ``+inf``.
-        d_v: value width ``Dv``, ``1 <= d_v <= Dk``.
+        d_v: value width ``Dv``, ``1 <= d_v <= Dk`` (``Dv = Dk``: the value is the whole kv
+            row, as in DeepSeek-V4's ``(512, 512)``).
         dtype: compute and output dtype, ``"float32"`` or ``"float64"``.
 
     Returns:
@@ -211,7 +212,7 @@ def mqa_latent_sparse_bwd_ref(
     Recomputes the forward probabilities chunk by chunk, then per row and head:
     ``Delta = <out, grad_out>``, ``dP_l = <grad_out, v_l>``, ``dS_l = P_l (dP_l - Delta)``,
     ``dq = sm_scale sum_l dS_l kv_l``, ``dkv[i_l] += sm_scale dS_l q + [P_l grad_out, 0]``
-    (the last ``Dk - Dv`` columns get no value term) and ``d_sink[h] = -sum P_sink Delta``.
+    (the last ``Dk - Dv`` columns get no value term; with ``Dv = Dk`` every column gets both) and ``d_sink[h] = -sum P_sink Delta``.
 
     Args:
         query, kv: as in :func:`mqa_latent_sparse_fwd_ref`.

@@ -44,8 +44,11 @@ BWD_KEY_BLOCK = 32
 #: ``L`` is padded with ``-1`` to a multiple of this (every key block divides it; the 64-key
 #: kernels would drop a remainder).
 INDEX_PAD = 64
-#: (Dk, Dv) pairs the kernels are built and tested for (absorbed MLA: 512 latent + 64 rope).
-SUPPORTED_DIMS = ((576, 512),)
+#: (Dk, Dv) pairs of the package's host side (checks, reference, op, layers): absorbed MLA
+#: (DeepSeek-V3.2, GLM-5: 512 latent + 64 rope, the value is the first 512 columns) and
+#: DeepSeek-V4 (512, RoPE on its last 64 columns, the value is the whole kv row).  The pairs
+#: the TileLang kernels are built for are :func:`kernel_dims`.
+SUPPORTED_DIMS = ((576, 512), (512, 512))
 
 
 @dataclass(frozen=True)
@@ -135,13 +138,31 @@ def padded_topk(topk: int) -> int:
     return _round_up(int(topk), INDEX_PAD)
 
 
+def kernel_dims() -> tuple:
+    """The ``(Dk, Dv)`` pairs the TileLang kernels are built for: ``kernels.D_PAIRS`` (the
+    kernel registry's one list), ``((576, 512),)`` where the registry has no such name."""
+    from . import kernels  # the package's __init__ imports no framework and no TileLang
+
+    return tuple(tuple(int(d) for d in pair)
+                 for pair in getattr(kernels, "D_PAIRS", ((576, 512),)))
+
+
 def check_head_dims(d_qk: int, d_v: int) -> None:
-    """Raise ``ValueError`` unless the kernels are built for ``(Dk, Dv)``."""
-    if (int(d_qk), int(d_v)) not in SUPPORTED_DIMS:
+    """Raise ``ValueError`` unless the kernels are built for ``(Dk, Dv)`` (:func:`kernel_dims`);
+    a pair of :data:`SUPPORTED_DIMS` whose kernels are not built yet is named as such."""
+    pair = (int(d_qk), int(d_v))
+    built = kernel_dims()
+    if pair in built:
+        return
+    if pair in SUPPORTED_DIMS:
         raise ValueError(
-            f"query/kv: the TileLang kernels take (Dk, Dv) in {list(SUPPORTED_DIMS)}, got "
-            f"Dk={d_qk}, Dv={d_v}"
+            f"query/kv: the TileLang kernels for (Dk, Dv) = {pair} are not built yet (built: "
+            f"{list(built)}); the reference and the op on CPU tensors take this pair"
         )
+    raise ValueError(
+        f"query/kv: the TileLang kernels take (Dk, Dv) in {list(built)}, got Dk={d_qk}, "
+        f"Dv={d_v}"
+    )
 
 
 def dkv_columns_permuted(heads_per_cta: int) -> bool:
