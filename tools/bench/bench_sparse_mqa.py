@@ -508,8 +508,8 @@ def ceilings(torch, clock, a, device, meta, add) -> None:
     """This card's dense matmul rate (the peak of ``frac_peak``) and copy rate (bytes read +
     written), measured in the run; the planning values where one is skipped (size 0)."""
     peak = copy = None
-    gen = torch.Generator(device=device).manual_seed(a.seed)
     if a.matmul_n:  # fp32 and at most 256 on the CPU stand-in: bf16 GEMMs crawl there
+        gen = torch.Generator(device=device).manual_seed(a.seed)
         n, dt = (min(a.matmul_n, 256), "fp32") if a.cpu_standin else (a.matmul_n, "bf16")
         mats = [torch.randn((2, n, n), generator=gen, device=device,
                             dtype=torch.float32 if dt == "fp32" else torch.bfloat16)
