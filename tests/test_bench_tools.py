@@ -952,7 +952,8 @@ def test_the_gpu_suite_benchmarks_and_tests_the_v4_shapes():
     import re
 
     script = (REPO_ROOT / "tools" / "run_gpu_suite.sh").read_text(encoding="utf-8")
-    default = re.search(r"BENCH_ARGS=\$\{BENCH_ARGS:-(.*?)\} bash tools/bench/run.sh", script)
+    default = re.search(r"BENCH_ARGS=\$\{BENCH_ARGS:-(.*?)\}\s*\\?\s*bash tools/bench/run.sh",
+                        script)
     a = bench.parse_args(default.group(1).split())
     assert [s.name for s in a.shape_list] == list(model.DEFAULT_SHAPES) + list(model.V4_SHAPES)
     assert a.quick and a.budget_s == 240

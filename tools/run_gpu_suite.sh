@@ -66,7 +66,8 @@ python3 tools/precompile.py --jobs "$(nproc)" 2>&1 | grep -v "TileLang:" | tee -
 
 if [[ $BENCH == 1 && -f tools/bench/run.sh ]]; then
   step benchmark
-  BENCH_ARGS=${BENCH_ARGS:---quick --budget-s 240 --shapes default,v4} bash tools/bench/run.sh 2>&1 \
+  BENCH_ARGS=${BENCH_ARGS:---quick --budget-s 240 --shapes default,v4} \
+    bash tools/bench/run.sh 2>&1 \
     | grep -v "TileLang:" | tail -60 | tee -a "$SUITE"
 fi
 

@@ -2,8 +2,8 @@
 ``python memcheck_case.py [H] [Dk]``, H=8 by default (head tile 16, so pad heads); H=100 runs
 the 64-head kernels (the warp-specialised forward, the two-warpgroup backward) on two head
 groups with 28 pad heads.  Dk 576 (default, (Dk, Dv) = (576, 512)) or 512 (DeepSeek-V4's
-(512, 512): the value is the whole kv row).  Top-k 100 (padded to 128 with -1), early rows with few keys and whole -1
-rows, with a sink; forward, deterministic (also with the exact dKV's re-run forced) and atomic
+(512, 512): the value is the whole kv row).  Top-k 100 (padded to 128 with -1), early rows
+with few keys and whole -1 rows, with a sink; forward, deterministic (also with the exact dKV's re-run forced) and atomic
 backward; then the three calls again with indices far out of range (each must raise the
 ``ValueError``, and, since the value checks are waited for after the kernels are queued, the
 kernels must have read the checks' safe copy, never the bad values).  Any out-of-bounds access
