@@ -780,3 +780,227 @@ def test_trial_repeats_of_a_shape_take_the_providers_the_other_way(monkeypatch):
     assert got == [("ref", ["a", "b", "c"]), ("h128", ["a", "b", "c"]),
                    ("ref", ["c", "b", "a"]), ("h128", ["c", "b", "a"]),
                    ("ref", ["a", "b", "c"])]
+
+
+# --- DeepSeek-V4's shapes, (Dk, Dv) = (512, 512) ---------------------------------------------
+
+
+V4 = {n: model.SHAPES[n] for n in ("v4flash", "v4pro", "v4tp8", "v4tiny")}
+
+
+def test_v4_work_by_hand():
+    """FLOPs and bytes with the shape's own Dk = Dv = 512 (2*S*H*topk*(Dk+Dv) forward,
+    2*S*H*topk*(3*Dk+2*Dv) backward): 1,024 + 1,024 per (row, head, key) forward, 2,560
+    backward, where the (576, 512) shapes count 1,088 and 2,752."""
+    flash, pro, tp8 = V4["v4flash"], V4["v4pro"], V4["v4tp8"]
+    assert (flash.Dk, flash.Dv, flash.S_kv, flash.topk) == (512, 512, 4096 + 1024, 128 + 512)
+    assert (pro.H, pro.topk, tp8.H) == (128, 128 + 1024, 8)
+    assert model.work(flash, "fwd")[0] == 2 * 4096 * 64 * 640 * (512 + 512) == 343_597_383_680
+    assert model.work(flash, "bwd")[0] == 2 * 4096 * 64 * 640 * (3 * 512 + 2 * 512) \
+        == 858_993_459_200
+    assert model.work(pro, "fwd")[0] == 2 * 4096 * 128 * 1152 * 1024 == 1_236_950_581_248
+    assert model.work(pro, "bwd")[0] == 2 * 4096 * 128 * 1152 * 2560 == 3_092_376_453_120
+    assert model.work(tp8, "fwd")[0] == 2 * 4096 * 8 * 640 * 1024 == 42_949_672_960
+    assert model.work(tp8, "bwd")[0] == 2 * 4096 * 8 * 640 * 2560 == 107_374_182_400
+    # q 268,435,456 + kv 5,242,880 + indices 10,485,760 + out 268,435,456 + lse 1,048,576
+    q, kv, idx, out, lse = (4096 * 64 * 512 * 2, 5120 * 512 * 2, 4096 * 640 * 4,
+                            4096 * 64 * 512 * 2, 4096 * 64 * 4)
+    assert model.work(flash, "fwd")[1] == q + kv + idx + out + lse == 553_648_128
+    assert model.work(flash, "bwd")[1] == 2 * q + 2 * kv + idx + 2 * out + lse == 1_095_761_920
+    # the L2-side gather: 1,024 bytes per key at Dk = 512, 1,152 at 576 (fp32 dKV: twice that)
+    assert model.gather_scatter_bytes(flash) == (4096 * 640 * 1024, 4096 * 640 * 2048)
+    assert model.gather_scatter_bytes(pro)[0] == 2 * 4096 * 1152 * 1024  # two head groups
+    assert model.gather_scatter_bytes(model.Shape("x", 1, 1, 1, 64, 1))[0] == 1152
+
+
+def test_v4_shape_layouts():
+    flash = V4["v4flash"]
+    assert flash.tokens() == 4096 and flash.compressed_topk == 512
+    assert model.SHAPES["ref"].compressed_topk is None
+    assert flash.dims() == ("B=1 S=4096 S_kv=5120 H=64 topk=640 Dk=512 Dv=512 (128 window + "
+                            "512 of ratio 4)")
+    assert model.SHAPES["ref"].dims() == "B=1 S=4096 S_kv=8192 H=64 topk=2048"  # unchanged
+    # the sequence split's rank keeps the T tokens: the last S rows of the layout
+    seq = {p: s for tp, p, s in model.partition_shapes(flash) if tp == 8}["seq"]
+    assert (seq.S, seq.S_kv, seq.tokens()) == (512, 5120, 4096)
+    for kw, match in ((dict(window=128), "window and ratio go together"),
+                      (dict(window=640, ratio=4), "1 <= window < topk"),
+                      (dict(window=128, ratio=1), "ratio >= 2"),
+                      (dict(window=128, ratio=4, S_kv=5124), "S_kv=5124 is no T \\+ T // 4")):
+        with pytest.raises(ValueError, match=match):
+            model.Shape("bad", **dict(dict(B=1, S=4096, S_kv=5120, H=64, topk=640, Dk=512,
+                                           Dv=512), **kw))
+
+
+def test_select_shapes_takes_groups():
+    assert [s.name for s in model.select_shapes("v4")] == ["v4flash", "v4pro", "v4tp8"]
+    assert [s.name for s in model.select_shapes("default,v4")] == list(model.DEFAULT_SHAPES) + [
+        "v4flash", "v4pro", "v4tp8"]
+    assert [s.name for s in model.select_shapes("v4pro, v4 ,ref")] == ["v4pro", "v4flash",
+                                                                      "v4tp8", "ref"]
+    assert [s.name for s in model.select_shapes("default")] == list(model.DEFAULT_SHAPES)
+    assert {"v4tiny", "tiny"} <= {s.name for s in model.select_shapes("all")}
+    with pytest.raises(ValueError, match=r"unknown shape 'v5'; known: ref, .*v4tiny, default "
+                                         r"\(group\), v4 \(group\), all \(group\)"):
+        model.select_shapes("v5")
+
+
+def test_dry_run_prints_the_v4_rows_and_what_the_gpu_skips(capsys, monkeypatch):
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    monkeypatch.setattr(kernels, "D_PAIRS", ((576, 512),), raising=False)
+    assert bench.main(["--dry-run", "--shapes", "v4,ref"]) == 0
+    out = capsys.readouterr().out
+    dims = "B=1 S=4096 S_kv=5120 H=64 topk=640 Dk=512 Dv=512 (128 window + 512 of ratio 4)"
+    assert f"| v4flash | {dims} | fwd | 344 | 554 | 0.43 | 0.129 | 0.43 | compute |" in out
+    assert f"| v4flash | {dims} | bwd | 859 | 1,096 | 1.09 | 0.255 | 1.09 | compute |" in out
+    assert "| v4pro | B=1 S=4096 S_kv=5120 H=128 topk=1152 Dk=512 Dv=512 (128 window + 1024 " \
+           "of ratio 4) | bwd | 3,092 | 2,179 | 3.91 | 0.507 | 3.91 | compute |" in out
+    assert "| v4tp8 | B=1 S=4096 S_kv=5120 H=8 topk=640 Dk=512 Dv=512 (128 window + 512 of " \
+           "ratio 4) | fwd | 43 | 83 | 0.05 | 0.019 | 0.05 | compute |" in out
+    assert ("on the GPU, skipped: v4flash, v4pro, v4tp8: kernels for (512, 512) not built "
+            "(kernels.D_PAIRS lists (576, 512))") in out.splitlines()
+    monkeypatch.setattr(kernels, "D_PAIRS", ((576, 512), (512, 512)))
+    assert bench.main(["--dry-run", "--shapes", "v4,ref"]) == 0
+    assert "skipped" not in capsys.readouterr().out
+
+
+def test_v4_input_sets_hold_the_window_compressed_layout():
+    torch = pytest.importorskip("torch")
+    from paddlefleet.tilelang_ops.attn.indices import window_compressed_indices
+
+    s = V4["v4tiny"]
+    sets = bench.make_input_sets(torch, s, "cpu", sets=3, seed=2)
+    for k, inp in enumerate(sets):
+        want = window_compressed_indices(128, window=16, ratio=4, compressed_topk=16,
+                                         seed=2000 + k)
+        assert inp["idx"].dtype == torch.int32 and inp["idx"].numpy().tolist() == want.tolist()
+        assert inp["q"].shape == (1, 128, 16, 512) and inp["kv"].shape == (1, 160, 512)
+        assert inp["dO"].shape == (1, 128, 16, 512) and inp["Dv"] == 512
+    assert not torch.equal(sets[0]["idx"], sets[1]["idx"])  # each set its own compressed picks
+    # a sequence split's rank: the last S rows of the same T-token layout
+    rank = {p: r for tp, p, r in model.partition_shapes(s, (4,)) if p == "seq"}["seq"]
+    got = bench.make_input_sets(torch, rank, "cpu", sets=3, seed=2)[0]["idx"].numpy()
+    assert got.shape == (1, 32, 32)
+    assert got.tolist() == window_compressed_indices(128, window=16, ratio=4,
+                                                     compressed_topk=16, seed=2000)[:, 96:].tolist()
+
+
+def test_cpu_standin_runs_the_v4_tiny_shape(tmp_path):
+    """The reference stands in for the kernels at (512, 512): every variant runs, the rates use
+    the shape's own work, the reference rows compare."""
+    import dataclasses
+
+    pytest.importorskip("torch")
+    assert _standin_run(tmp_path, "--shapes", "v4tiny", "--ref-shapes", "v4tiny",
+                        "--matmul-n", "0", "--copy-mb", "0") == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    rows = payload["rows"]
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert all(r["status"] == "ok" and (r["Dk"], r["Dv"]) == (512, 512) for r in rows)
+    s = V4["v4tiny"]
+    for r in rows:
+        assert r["gflop"] == pytest.approx(model.work(s, "fwd" if "fwd" in r["variant"]
+                                                      else "bwd")[0] / 1e9)
+    assert rows[3]["note"].startswith("fwd vs reference, rel. L2: out ")
+    assert rows[4]["note"] == ("bwd_det vs reference, rel. L2: dq 0.0e+00, dkv 0.0e+00, "
+                               "d_sink 0.0e+00")
+    assert payload["shapes"] == [dataclasses.asdict(s)]
+
+
+def _fake_gpu(monkeypatch, torch):
+    """Enough of torch.cuda for bench.run to start a GPU run on a CPU machine."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(harness, "gpu_state", lambda: None)
+
+
+def test_gpu_run_skips_shapes_whose_kernels_are_not_built(tmp_path, monkeypatch, capsys):
+    """A GPU run records each variant of a (512, 512) shape as skipped, with the reason, while
+    kernels.D_PAIRS lacks the pair, and goes on; once the pair is listed it runs the shape
+    (here: reaches its inputs)."""
+    torch = pytest.importorskip("torch")
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    _fake_gpu(monkeypatch, torch)
+    monkeypatch.setattr(kernels, "D_PAIRS", ((576, 512),), raising=False)
+    args = ["--shapes", "v4flash,v4tp8", "--matmul-n", "0", "--copy-mb", "0", "--no-progress",
+            "--no-plot", "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    why = "skipped: kernels for (512, 512) not built (kernels.D_PAIRS lists (576, 512))"
+    assert [(r["shape"], r["variant"], r["status"]) for r in rows] == [
+        (n, v, why) for n in ("v4flash", "v4tp8") for v in ("fwd", "bwd_atomic", "bwd_det")]
+    assert f"| v4flash | 1 | 4096 | 5120 | 64 | 640 | fwd | {why} |" in capsys.readouterr().out
+
+    def reached(*a, **k):
+        raise RuntimeError("made the inputs")
+
+    monkeypatch.setattr(kernels, "D_PAIRS", ((576, 512), (512, 512)))
+    monkeypatch.setattr(bench, "make_input_sets", reached)
+    with pytest.raises(RuntimeError, match="made the inputs"):
+        bench.main(args)
+
+
+def test_the_gpu_suite_benchmarks_and_tests_the_v4_shapes():
+    """tools/run_gpu_suite.sh's default benchmark takes the default and V4 shapes and its GPU
+    tests take tests/single_card_tests, where the (512, 512) tests live; memcheck_case.py
+    takes Dk."""
+    import re
+
+    script = (REPO_ROOT / "tools" / "run_gpu_suite.sh").read_text(encoding="utf-8")
+    default = re.search(r"BENCH_ARGS=\$\{BENCH_ARGS:-(.*?)\}\s*\\?\s*bash tools/bench/run.sh",
+                        script)
+    a = bench.parse_args(default.group(1).split())
+    assert [s.name for s in a.shape_list] == list(model.DEFAULT_SHAPES) + list(model.V4_SHAPES)
+    assert a.quick and a.budget_s == 240
+    assert "--durations=25 tests/single_card_tests " in script
+    assert (REPO_ROOT / "tests" / "single_card_tests" / "test_sparse_attn_v4_gpu.py").is_file()
+    assert 'CASES+=("8 512" "100 512")' in script and "memcheck_case.py \"$MH\" \"$MDK\"" in script
+    case = (REPO_ROOT / "tests" / "single_card_tests" / "memcheck_case.py").read_text()
+    assert "DK = int(sys.argv[2]) if len(sys.argv) > 2 else 576" in case
+
+
+_FORCE_CUDA = """
+import sys
+sys.path.insert(0, {tests!r})
+import helpers
+helpers.cuda_available = lambda: True  # as on a GPU host: the gpu marker does not skip
+import pytest
+sys.exit(pytest.main(["-q", "-rs", "-p", "no:cacheprovider", {path!r}]))
+"""
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the skip where the kernels are missing")
+def test_v4_gpu_tests_skip_while_the_pair_is_not_built():
+    """On a GPU host whose kernels.D_PAIRS lacks (512, 512), every test of
+    test_sparse_attn_v4_gpu.py skips with that reason instead of failing (CUDA faked present,
+    in a fresh process: the module decides at import)."""
+    pytest.importorskip("torch")
+    import re
+    import subprocess
+
+    from paddlefleet.tilelang_ops.attn import tiling
+
+    if (512, 512) in tiling.kernel_dims():
+        pytest.skip("kernels.D_PAIRS lists (512, 512): the tests run, nothing to skip")
+    path = REPO_ROOT / "tests" / "single_card_tests" / "test_sparse_attn_v4_gpu.py"
+    res = subprocess.run([sys.executable, "-c", _FORCE_CUDA.format(
+        tests=str(REPO_ROOT / "tests"), path=str(path))], capture_output=True, text=True,
+        cwd=str(REPO_ROOT), timeout=600)
+    out = res.stdout
+    assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
+    summary = out.strip().splitlines()[-1]
+    # none passed, failed or errored
+    assert re.fullmatch(r"\d+ skipped(, \d+ warnings?)? in .*", summary), out[-3000:]
+    why = ("kernels for (Dk, Dv) = (512, 512) not built: kernels.D_PAIRS lists [(576, 512)]; "
+           "these tests run once it lists (512, 512)")
+    lines = [ln for ln in out.splitlines() if ln.startswith("SKIPPED [")]
+    assert lines and all(ln.endswith(why) for ln in lines), out[-3000:]
+    skipped = int(summary.split()[0])
+    assert skipped >= 18 and sum(int(ln[9:ln.index("]")]) for ln in lines) == skipped

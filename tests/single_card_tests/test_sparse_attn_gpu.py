@@ -217,17 +217,25 @@ if cuda_available():
                     idx2[b][~w] = int(keys[0])
 
 
-def _inputs(case, seed):
+def _inputs(case, seed, indices=None):
+    """Random bf16 ``q [B, S, H, Dk]``, ``kv [B, S_kv, Dk]``, ``dO [B, S, H, Dv]``, an fp32
+    sink (``case["sink"]``) and the indices on the GPU: ``indices`` (numpy ``[B, S, L]``) where
+    given, else ragged (``case["ragged"]``) or causal random ones; ``case["empty_rows"]`` made
+    ``-1``.  ``(Dk, Dv)``: ``case["dims"]``, default ``(DK, DV)``."""
     B, S, S_kv, H, L = case["B"], case["S"], case["S_kv"], case["H"], case["L"]
+    dk, dv = case.get("dims", (DK, DV))
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
-    q = torch.randn((B, S, H, DK), generator=g, device=dev).to(torch.bfloat16)
-    kv = torch.randn((B, S_kv, DK), generator=g, device=dev).to(torch.bfloat16)
-    do = torch.randn((B, S, H, DV), generator=g, device=dev).to(torch.bfloat16)
+    q = torch.randn((B, S, H, dk), generator=g, device=dev).to(torch.bfloat16)
+    kv = torch.randn((B, S_kv, dk), generator=g, device=dev).to(torch.bfloat16)
+    do = torch.randn((B, S, H, dv), generator=g, device=dev).to(torch.bfloat16)
     sink = None
     if case.get("sink"):
         sink = (torch.randn((H,), generator=g, device=dev) + 1.0).float()
-    if case.get("ragged"):  # keys end early in most rows, with holes (_ragged_indices)
+    if indices is not None:
+        assert indices.shape == (B, S, L), (indices.shape, (B, S, L))
+        idx = indices
+    elif case.get("ragged"):  # keys end early in most rows, with holes (_ragged_indices)
         idx = _ragged_indices(np.random.default_rng(seed), B, S, S_kv, L)
     else:
         idx = causal_topk_indices(B, S, S_kv, L, seed=seed,
@@ -280,25 +288,34 @@ def _noncontig(t):
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_against_reference(case):
     seed = zlib.crc32(case["id"].encode())
-    q, kv, do, sink, idx = _inputs(case, seed)
+    check_against_reference(case, *_inputs(case, seed), SM_SCALE)
+
+
+def check_against_reference(case, q, kv, do, sink, idx, sm_scale):
+    """Forward, the deterministic backward (three calls, bitwise equal) and the atomic one
+    through :class:`GuardedKernels` against the fp32 reference by relative L2 (< ``TOL``), the
+    deterministic and atomic dKV against each other, and the base-2 sink-inclusive lse form
+    against the natural one.  ``case``: ``B, S, H``, ``block_h``, ``noncontig``, ``id``
+    (printed); ``Dv`` is ``do``'s last dim (the forward's ``d_v``).  Shared with
+    test_sparse_attn_v4_gpu.py."""
     if case.get("noncontig"):
         q, do = _noncontig(q), _noncontig(do)
         assert not q.is_contiguous()
-    H, bh = case["H"], case.get("block_h")
+    H, bh, dv = case["H"], case.get("block_h"), do.shape[-1]
     prov = GuardedKernels()
 
-    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, block_h=bh,
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, sm_scale, sink, d_v=dv, block_h=bh,
                                                provider=prov)
-    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
+    ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, sm_scale, sink, d_v=dv)
     e_out, e_lse = rel_l2(out.float(), ref_out), rel_l2(lse, ref_lse)
-    assert out.shape == (case["B"], case["S"], H, DV) and out.dtype == torch.bfloat16
+    assert out.shape == (case["B"], case["S"], H, dv) and out.dtype == torch.bfloat16
     assert lse.shape == (case["B"], case["S"], H) and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
-    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
+    ref_dq, ref_dkv, ref_ds = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, sm_scale)
     runs = []
     for _ in range(3):
-        runs.append(interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
+        runs.append(interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm_scale,
                                                     block_h=bh, deterministic=True,
                                                     provider=prov))
     dq, dkv, ds = runs[0]
@@ -306,7 +323,7 @@ def test_against_reference(case):
         for a, b, name in zip(runs[0], other, ("dq", "dkv", "d_sink")):
             assert torch.equal(a, b), f"{name} not bitwise repeatable (deterministic=True)"
     dq_a, dkv_a, ds_a = interface.mqa_latent_sparse_bwd(
-        q, kv, out, do, lse, sink, idx, SM_SCALE, block_h=bh, deterministic=False,
+        q, kv, out, do, lse, sink, idx, sm_scale, block_h=bh, deterministic=False,
         provider=prov)
     errs = dict(out=e_out, lse=e_lse, dq=rel_l2(dq.float(), ref_dq),
                 dkv=rel_l2(dkv.float(), ref_dkv), dq_atomic=rel_l2(dq_a.float(), ref_dq),
@@ -333,12 +350,13 @@ def test_against_reference(case):
 
     # the base-2 sink-inclusive LSE form gives the same gradients
     lse2 = lse_natural_to_log2_sink(lse, sink)
-    dq2, dkv2, ds2 = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse2, sink, idx, SM_SCALE,
+    dq2, dkv2, ds2 = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse2, sink, idx, sm_scale,
                                                      block_h=bh, lse_format="log2_sink",
                                                      provider=prov)
     assert rel_l2(dq2.float(), dq.float()) < 1e-3 and rel_l2(dkv2.float(), dkv.float()) < 1e-3
     if sink is not None:
         assert rel_l2(ds2, ds) < 1e-4
+    return errs
 
 
 # Packed documents (B = 1, cu_seqlens, the THD layout): the kernels take them as they are, with
@@ -434,15 +452,23 @@ def test_exact_rerun_is_repeatable_and_accurate(monkeypatch, case):
     the re-run grid comes from BoundExp; 2^6 too fine, the usual case; 2^10 too coarse, re-run on
     a finer grid): the result must stay bitwise repeatable and as accurate as without, also
     where a re-run CTA walks several rows."""
-    q, kv, do, sink, idx = _inputs(case, 21)
+    check_exact_rerun(monkeypatch, case, *_inputs(case, 21), SM_SCALE)
+
+
+def check_exact_rerun(monkeypatch, case, q, kv, do, sink, idx, sm_scale):
+    """The deterministic backward with its first-pass grids 2^20 and 2^6 too fine and 2^12
+    too coarse (``exact_dkv.GRID_MARGIN_BITS``): bitwise repeatable, dq as without the
+    re-run, dKV within ``TOL`` of the fp32 reference.  Shared with test_sparse_attn_v4_gpu.py."""
     prov = GuardedKernels()
-    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink, provider=prov)
-    ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, SM_SCALE)
-    base = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
+    dv = do.shape[-1]
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, sm_scale, sink, d_v=dv,
+                                               provider=prov)
+    ref_dq, ref_dkv, _ = mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, sm_scale)
+    base = interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm_scale,
                                            provider=prov)
     for margin in (-20, -6, 12):  # too fine (clamped), too fine, too coarse
         monkeypatch.setattr(exact_dkv, "GRID_MARGIN_BITS", margin)
-        runs = [interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, SM_SCALE,
+        runs = [interface.mqa_latent_sparse_bwd(q, kv, out, do, lse, sink, idx, sm_scale,
                                                 provider=prov) for _ in range(2)]
         for a, b, name in zip(runs[0], runs[1], ("dq", "dkv", "d_sink")):
             assert torch.equal(a, b), f"{name}: re-run path not bitwise repeatable"
@@ -1012,9 +1038,21 @@ _XPROC = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 sys.path.insert(0, {tests_root!r})
-from test_sparse_attn_gpu import _cross_process_digest
-print("DIGEST", _cross_process_digest())
+from {module} import {function}
+print("DIGEST", {function}())
 """
+
+
+def digest_in_another_process(module, function):
+    """``function()`` of this folder's ``module`` (a digest string) run in a fresh Python
+    process: ``[digest]``.  Shared with test_sparse_attn_v4_gpu.py."""
+    here_dir = Path(__file__).resolve().parent
+    code = _XPROC.format(tests=str(here_dir), tests_root=str(here_dir.parent), module=module,
+                         function=function)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("DIGEST")]
 
 
 def _cross_process_digest():
@@ -1026,13 +1064,7 @@ def _cross_process_digest():
 
 def test_deterministic_across_processes():
     here = _cross_process_digest()
-    env = dict(os.environ)
-    here_dir = Path(__file__).resolve().parent
-    code = _XPROC.format(tests=str(here_dir), tests_root=str(here_dir.parent))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    other = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("DIGEST")]
+    other = digest_in_another_process("test_sparse_attn_gpu", "_cross_process_digest")
     assert other == [here], "dq/dkv/d_sink differ between two processes"
 
 

@@ -8,6 +8,9 @@
     python tools/bench/bench_sparse_mqa.py --dry-run               # plan and floors, no torch
     python tools/bench/bench_sparse_mqa.py --cpu-standin --quick --out /tmp/b
         # every code path on CPU (tiny shape), the package's reference in place of the kernels
+    python tools/bench/bench_sparse_mqa.py --shapes default,v4 --out DIR
+        # and DeepSeek-V4's (Dk, Dv) = (512, 512) shapes (model.V4_SHAPES; --cpu-standin:
+        # v4tiny), skipped on the GPU while kernels.D_PAIRS lacks the pair
 
 Per shape: fwd, bwd_atomic, bwd_det (our wrappers, as training calls them: input value checks
 on unless --no-check-indices; outputs checked finite and, over two calls, bitwise equal) and,
@@ -54,9 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--out", help="output folder (default: $OUT if set, else tools/bench/results/)")
-    add("--shapes", help="comma-separated names, 'default' or 'all' (default: "
-        f"{','.join(model.DEFAULT_SHAPES)}; --cpu-standin: tiny; --partition: the one base "
-        "shape, ref); known: " + "; ".join(f"{k} ({v.dims()})" for k, v in model.SHAPES.items()))
+    add("--shapes", help="comma-separated shape names and groups (default: the default "
+        "group; --cpu-standin: tiny; --partition: the one base shape, ref); groups: "
+        + ", ".join(f"{k} ({','.join(v)})" for k, v in model.SHAPE_GROUPS.items() if k != "all")
+        + ", all (every shape); shapes: "
+        + "; ".join(f"{k} ({v.dims()})" for k, v in model.SHAPES.items()))
     add("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     add("--quick", action="store_true", help="20 timed calls after 2 warm-up (reference: 2)")
     add("--reps", type=int, help="timed calls per variant (default 50)")
@@ -153,11 +158,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def kernel_dims() -> tuple:
+    """The ``(Dk, Dv)`` pairs our kernels are built for: ``attn.tiling.kernel_dims()``, which
+    reads ``kernels.D_PAIRS`` (imports neither a framework nor TileLang).  A GPU run skips the
+    shapes of any other pair (:func:`model.unbuilt_dims`)."""
+    from paddlefleet.tilelang_ops.attn import tiling
+
+    return tiling.kernel_dims()
+
+
 def plan_text(a: argparse.Namespace) -> str:
     lines = [f"variants {','.join(a.variant_list)}; {a.reps} timed calls after {a.warmup} "
              f"warm-up; {a.sets} input sets; sink {'off' if a.no_sink else 'on'}; "
              f"check_indices {not a.no_check_indices}; reference timed on "
              f"{','.join(sorted(a.ref_shape_names))}", "", harness.floors_table(a.shape_list)]
+    built = kernel_dims()
+    unbuilt = {}
+    for s in a.shape_list:
+        why = model.unbuilt_dims(s, built)
+        if why is not None:
+            unbuilt.setdefault(why, []).append(s.name)
+    lines += [f"on the GPU, skipped: {', '.join(names)}: {why}" for why, names in unbuilt.items()]
     if a.parts:
         base = a.parts[0][2]
         lines += ["", f"sequence split of {base.name}, all-to-all per layer and rank: " + ", ".join(
@@ -187,9 +208,23 @@ def causal_topk_indices_torch(torch, s: model.Shape, generator, device, row_chun
     return out
 
 
+def window_compressed_indices_torch(torch, s: model.Shape, seed: int, device):
+    """``[B, S, topk]`` int32 of a V4 layout (``s.ratio`` set): the rows of the last ``S`` of
+    the ``T = s.tokens()`` tokens of ``attn.indices.window_compressed_indices`` (the window,
+    then ``s.compressed_topk`` seeded compressed picks), made with numpy (~0.2 s per set at
+    T = 4096) and copied to ``device``."""
+    from paddlefleet.tilelang_ops.attn.indices import window_compressed_indices
+
+    t = s.tokens()
+    idx = window_compressed_indices(t, window=s.window, ratio=s.ratio,
+                                    compressed_topk=s.compressed_topk, batch=s.B, seed=seed)
+    return torch.from_numpy(idx[:, t - s.S:]).to(device)
+
+
 def make_input_sets(torch, s: model.Shape, device, sets=3, seed=0, sink=True,
                     sm_scale=DEFAULT_SM_SCALE) -> list[dict]:
-    """Independent random inputs: bf16 q, kv, dO (never zeros), fp32 sink, int32 indices."""
+    """Independent random inputs: bf16 q, kv, dO (never zeros), fp32 sink, int32 indices
+    (random causal top-k, or the V4 window + compressed layout of a shape with ``ratio``)."""
     out = []
     for k in range(sets):
         g = torch.Generator(device=device).manual_seed(seed * 1000 + k)
@@ -197,11 +232,12 @@ def make_input_sets(torch, s: model.Shape, device, sets=3, seed=0, sink=True,
         def randn(*shape, dtype=torch.bfloat16):
             return torch.randn(shape, generator=g, device=device, dtype=dtype)
 
+        idx = (causal_topk_indices_torch(torch, s, g, device) if s.ratio is None else
+               window_compressed_indices_torch(torch, s, seed * 1000 + k, device))
         out.append({"q": randn(s.B, s.S, s.H, s.Dk), "kv": randn(s.B, s.S_kv, s.Dk),
                     "dO": randn(s.B, s.S, s.H, s.Dv),
                     "sink": randn(s.H, dtype=torch.float32) if sink else None,
-                    "idx": causal_topk_indices_torch(torch, s, g, device),
-                    "sm_scale": sm_scale, "Dv": s.Dv})
+                    "idx": idx, "sm_scale": sm_scale, "Dv": s.Dv})
     return out
 
 
@@ -473,8 +509,8 @@ def ceilings(torch, clock, a, device, meta, add) -> None:
     """This card's dense matmul rate (the peak of ``frac_peak``) and copy rate (bytes read +
     written), measured in the run; the planning values where one is skipped (size 0)."""
     peak = copy = None
-    gen = torch.Generator(device=device).manual_seed(a.seed)
     if a.matmul_n:  # fp32 and at most 256 on the CPU stand-in: bf16 GEMMs crawl there
+        gen = torch.Generator(device=device).manual_seed(a.seed)
         n, dt = (min(a.matmul_n, 256), "fp32") if a.cpu_standin else (a.matmul_n, "bf16")
         mats = [torch.randn((2, n, n), generator=gen, device=device,
                             dtype=torch.float32 if dt == "fp32" else torch.bfloat16)
@@ -575,6 +611,11 @@ def run(a: argparse.Namespace) -> int:
                 for v in todo(s):
                     add(harness.make_row(s, v, meta, status=f"not run: past --budget-s "
                                                             f"{a.budget_s:g}"))
+                continue
+            why = None if cpu else model.unbuilt_dims(s, kernel_dims())
+            if why is not None:  # the kernels for this (Dk, Dv) have not landed yet
+                for v in todo(s):
+                    add(harness.make_row(s, v, meta, status=f"skipped: {why}"))
                 continue
             try:
                 sets = make_input_sets(torch, s, device, a.sets, a.seed, not a.no_sink, a.sm_scale)
