@@ -3,7 +3,8 @@
 Runtime dependencies are the Paddle stack (paddlepaddle, the ``cpu`` extra, or paddlepaddle-gpu
 installed beforehand on CUDA machines, and tilelang-paddle, Paddle's build of TileLang) plus
 numpy, tqdm and psutil.  The PyTorch validation environment
-(mainline ``tilelang`` + ``torch``) is described in README.md; it cannot share an environment
+(mainline ``tilelang`` + ``torch``) is described in docs/developing.md; it cannot share an
+environment
 with tilelang-paddle because both install the top-level ``tilelang`` package.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole GPU suite on a fresh CUDA host, in one go (PyTorch + CUDA; TileLang from the
-# bundle in .gpu/ when it is not installed; see README.md and docs/validation.md):
+# bundle in .gpu/ when it is not installed; see docs/developing.md and docs/validation.md):
 #   1. unpack the TileLang bundle (.gpu/tilelang-*.tar.xz) into /tmp/site if tilelang is missing
 #      (tools/gpu_env.sh, shared with tools/bench/run.sh)
 #   2. precompile every kernel specialisation in parallel (tools/precompile.py)

@@ -538,7 +538,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        print("bench_sparse_mqa: needs PyTorch (README.md, 'GPU validation environment'); "
+        print("bench_sparse_mqa: needs PyTorch (docs/developing.md, 'GPU validation environment'); "
               "--dry-run needs none", file=sys.stderr)
         return 2
     if not a.cpu_standin and not torch.cuda.is_available():
