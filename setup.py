@@ -2,10 +2,9 @@
 
 Runtime dependencies are the Paddle stack (paddlepaddle, the ``cpu`` extra, or paddlepaddle-gpu
 installed beforehand on CUDA machines, and tilelang-paddle, Paddle's build of TileLang) plus
-numpy, tqdm and psutil.  The PyTorch validation environment
-(mainline ``tilelang`` + ``torch``) is described in docs/developing.md; it cannot share an
-environment
-with tilelang-paddle because both install the top-level ``tilelang`` package.
+numpy, tqdm and psutil.  The PyTorch validation environment (mainline ``tilelang`` + ``torch``)
+is described in docs/developing.md; it cannot share an environment with tilelang-paddle because
+both install the top-level ``tilelang`` package.
 """
 
 from setuptools import find_namespace_packages, setup
