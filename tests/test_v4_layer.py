@@ -271,8 +271,8 @@ def test_presets_through_config_module(tmp_path):
 @pytest.mark.parametrize(
     "over,pattern",
     [
-        (dict(hidden_size=0), "hidden_size must be a positive int, got 0"),
-        (dict(head_dim=True), "head_dim must be a positive int, got True"),
+        (dict(hidden_size=0), "hidden_size must be a positive int .*, got 0$"),
+        (dict(head_dim=True), "head_dim must be a positive int .*, got True$"),
         (dict(qk_rope_head_dim=3), "qk_rope_head_dim must be even"),
         (dict(qk_rope_head_dim=32), "qk_rope_head_dim must be even .* at most head_dim=16"),
         (dict(o_groups=3), "o_groups must be a divisor of num_attention_heads=4"),
@@ -283,13 +283,82 @@ def test_presets_through_config_module(tmp_path):
         (dict(backward_backend="x"), "backward_backend must be one of"),
         (dict(attention_partition="rows"), "attention_partition must be one of"),
         (dict(softmax_scale=0.0), "softmax_scale must be None or a finite number > 0"),
-        (dict(compress_rope_theta=float("nan")), "compress_rope_theta must be a finite positive"),
+        (dict(compress_rope_theta=float("nan")), "compress_rope_theta must be a finite number > 0"),
         (dict(use_attn_sink=1), "use_attn_sink must be a bool"),
     ],
 )
 def test_config_errors(over, pattern):
     with pytest.raises(ValueError, match="^DeepSeekV4AttentionConfig." + pattern):
         tiny(**over)
+
+
+def test_config_takes_numpy_scalars_by_value_and_saves(tmp_path):
+    """Issue 41's rules for the V4 config too: ``np.int64`` sizes, ``np.float32`` scale and eps,
+    ``np.bool_`` flags and ``compress_ratio=np.int64(4)`` were refused (or, for floats, kept
+    as numpy scalars that JSON cannot write); they are taken by value, stored as Python
+    numbers, and the config saves and loads back."""
+    plain = tiny(compress_ratio=4, compressed_topk=2, softmax_scale=0.125, rope_theta=5e5,
+                 deterministic=False)
+    cfg = tiny(hidden_size=np.int32(16), num_attention_heads=np.int64(4),
+               compress_ratio=np.int64(4), compressed_topk=np.int16(2),
+               softmax_scale=np.float32(0.125), rope_theta=np.float64(5e5),
+               rms_norm_eps=np.float32(1e-6), use_attn_sink=np.bool_(True),
+               deterministic=np.False_)
+    for name in ("hidden_size", "num_attention_heads", "compress_ratio", "compressed_topk"):
+        assert type(getattr(cfg, name)) is int, name
+    for name in ("softmax_scale", "rope_theta", "rms_norm_eps"):
+        assert type(getattr(cfg, name)) is float, name
+    assert cfg.use_attn_sink is True and cfg.deterministic is False
+    assert cfg.rms_norm_eps == float(np.float32(1e-6))
+    assert cfg.replace(rms_norm_eps=1e-6) == plain
+    assert hash(cfg.replace(rms_norm_eps=1e-6)) == hash(plain)
+    path = tmp_path / "v4.json"
+    cfg.to_json_file(path)
+    assert json.loads(path.read_text())["softmax_scale"] == 0.125
+    assert config_mod.load_config(str(path)) == cfg
+    for name, value in (("num_attention_heads", np.bool_(True)), ("hidden_size", np.float64(16)),
+                        ("compress_ratio", 4.0), ("compress_ratio", True),
+                        ("use_attn_sink", np.int64(1)), ("deterministic", 1)):
+        with pytest.raises(ValueError, match=rf"^DeepSeekV4AttentionConfig\.{name} must be"):
+            tiny(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "field,value,shown",
+    [
+        ("rms_norm_eps", 1e-320, "1e-320"),  # 0 in fp32: an all-zero row normalises to NaN
+        ("rms_norm_eps", 1e-39, "1e-39"),  # subnormal in fp32
+        ("initializer_range", 1e300, "1e+300"),  # inf weights in fp32
+        ("compress_rope_theta", 10**400, "an integer of 1329 bits (about 10**400)"),
+        ("hidden_size", 10**400, "an integer of 1329 bits (about 10**400)"),
+        ("window_size", 2**31, "2147483648"),
+    ],
+    ids=["eps_zero_in_fp32", "eps_subnormal_in_fp32", "init_inf_in_fp32", "theta_1e400",
+         "hidden_1e400", "window_over_int32"],
+)
+def test_config_values_that_cannot_work_name_the_field(field, value, shown):
+    """The V3.2 config's ranges (issue 41, item 4): eps=1e-320 was accepted (0 in the fp32
+    layer) and a 401-digit int shown in full."""
+    import re
+
+    with pytest.raises(ValueError, match=rf"^DeepSeekV4AttentionConfig\.{field} must be .*, got "
+                                         rf"{re.escape(shown)}$"):
+        tiny(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", 0), ("rms_norm_eps", 1e-320),
+                                         ("rope_theta", float("nan")), ("softmax_scale", -1.0),
+                                         ("backward_backend", "x"), ("deterministic", "yes"),
+                                         ("attention_partition", "rows")])
+def test_both_configs_give_the_same_message(field, value):
+    """One validation: a field both blocks have is refused with the same words."""
+    with pytest.raises(ValueError) as v32:
+        config_mod.get_preset("deepseek_v32_small", **{field: value})
+    with pytest.raises(ValueError) as v4:
+        tiny(**{field: value})
+    assert str(v32.value).startswith("MQALatentAttentionConfig.")
+    assert str(v4.value) == str(v32.value).replace("MQALatentAttentionConfig.",
+                                                   "DeepSeekV4AttentionConfig.")
 
 
 # --- the main job in one process ------------------------------------------------------------
