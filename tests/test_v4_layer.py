@@ -244,6 +244,94 @@ def test_forward_errors():
         DeepSeekV4Attention(tiny(tensor_parallel_degree=2))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_layer_on_cpu_names_its_dtype(dtype):
+    """The V3.2 layer's CPU rule (issue 41, item 7) holds for the V4 layer too: a float16 /
+    bfloat16 layer on CPU used to fail inside Paddle's matmul; it raises a TypeError naming the
+    dtype and layer.CPU_DTYPES, while float32 and float64 layers run."""
+    cfg = tiny()
+    x = paddle.randn([1, 8, cfg.hidden_size])
+    for ok in ("float32", "float64"):
+        lay = DeepSeekV4Attention(cfg)
+        lay.to(dtype=ok)
+        y = lay(x.astype(ok))
+        assert y.dtype == getattr(paddle, ok) and bool(paddle.isfinite(y).all())
+    lay = DeepSeekV4Attention(cfg)
+    lay.to(dtype=dtype)
+    with pytest.raises(TypeError, match=rf"^DeepSeekV4Attention: the layer's parameters are "
+                                        rf"{dtype}, which does not run on CPU .*runs in float32 "
+                                        rf"or float64"):
+        lay(x.astype(dtype))
+
+
+def test_fp64_layer_uses_fp64_rope_tables():
+    """An fp64 layer rotates with float64 tables (issue 41: the V3.2 layer's rule, through the
+    shared layer._rope); fp32 angles would be off by ~1e-4 at position 10**5."""
+    from paddlefleet.tilelang_ops.attn.v4_layer import _rope_tail
+
+    pos = np.array([0, 7, 10**5, 3 * 10**5])
+    x = np.random.default_rng(0).standard_normal((4, 8))
+    got = _rope_tail(paddle.to_tensor(x), pos, 160000.0, 4).numpy()
+    ang = np.outer(pos, 1.0 / 160000.0 ** (np.arange(0, 4, 2) / 4))
+    c, s = np.cos(ang), np.sin(ang)
+    x1, x2 = x[:, 4:6], x[:, 6:]
+    want = np.concatenate([x[:, :4], x1 * c - x2 * s, x2 * c + x1 * s], axis=1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_load_full_weights_is_strict():
+    """The V3.2 layer's load_full_weights (shared): keys that are no parameter of the layer (a
+    trained sink into a use_attn_sink=False layer, a misspelled name) and missing keys raise,
+    named, before anything is written; a good load fills every parameter."""
+    cfg = tiny(use_attn_sink=False, compress_ratio=128)
+    lay = DeepSeekV4Attention(cfg, seed=1)
+    before = {n: p.numpy().copy() for n, p in lay.named_parameters()}
+    full = init_full_weights(cfg.replace(use_attn_sink=True), seed=2)
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['attn_sink'\] are not "
+                                         r"parameters of this layer, which would drop them; "
+                                         r"attn_sink is a weight of layers with use_attn_sink=True"):
+        lay.load_full_weights(full)
+    del full["attn_sink"]
+    misspelled = dict(full, wkv_comp=full["wkv_c"])
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['wkv_comp'\] are not"):
+        lay.load_full_weights(misspelled)
+    del misspelled["wkv_c"]
+    with pytest.raises(ValueError, match=r"^load_full_weights: missing weight\(s\) \['wkv_c'\]"):
+        lay.load_full_weights(misspelled)
+    for name, p in lay.named_parameters():  # untouched by the failed loads
+        np.testing.assert_array_equal(p.numpy(), before[name], err_msg=name)
+    full = init_full_weights(cfg, seed=2)
+    lay.load_full_weights(full)
+    for name, p in lay.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), full[name], err_msg=name)
+
+
+def test_initializer_range_that_overflows_fp32_weights():
+    """The V3.2 layer's rule: a std near fp32's largest number drew inf weights silently; the
+    build raises naming the field and the first parameter."""
+    with pytest.raises(ValueError, match=r"^config.initializer_range=3e\+38 draws non-finite fp32 "
+                                         r"weights \(wq_a\)"):
+        DeepSeekV4Attention(tiny(initializer_range=3e38))
+
+
+def test_weights_are_slices_of_the_full_weights():
+    """Per-unit generators: a rank's weights are its slice of init_full_weights at every TP
+    degree (heads for wq_b and the sink, head groups for wo_a and wo_b)."""
+    from paddlefleet.tilelang_ops.attn.v4_layer import _init_weights, shard_of
+
+    cfg = tiny(compress_ratio=4, compressed_topk=2)
+    full = init_full_weights(cfg, seed=4)
+    for rank in range(2):
+        part = _init_weights(cfg.replace(tensor_parallel_degree=2), 4, rank, 2)
+        assert sorted(part) == sorted(full)
+        for name, value in part.items():
+            np.testing.assert_array_equal(value, shard_of(name, full[name], rank, 2),
+                                          err_msg=name)
+    lay = DeepSeekV4Attention(cfg, seed=4)
+    for name, p in lay.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), full[name], err_msg=name)
+
+
 # --- config ---------------------------------------------------------------------------------
 def test_presets_through_config_module(tmp_path):
     flash = config_mod.get_preset("deepseek_v4_flash")

@@ -96,6 +96,8 @@ __all__ = ["MQALatentAttention", "init_full_weights", "shard_of", "SHARD_AXIS", 
 SHARD_AXIS = {"wq_b": 1, "w_uk": 0, "w_uv": 0, "wo": 0, "attn_sink": 0}
 #: Parameters every rank holds whole.
 REPLICATED = ("wq_a", "q_norm_weight", "wkv_a", "kv_norm_weight")
+#: RMSNorm weights (replicated, initialised to 1).
+_NORMS = ("q_norm_weight", "kv_norm_weight")
 #: Parameter dtypes the layer runs in on CPU (Paddle 3.3's CPU matmul has no fp16/bf16 kernel).
 CPU_DTYPES = ("float32", "float64")
 
@@ -117,34 +119,39 @@ def _full_shapes(cfg: MQALatentAttentionConfig) -> dict:
     return shapes
 
 
-def _init_weights(cfg: MQALatentAttentionConfig, seed: int, head_lo: int, head_hi: int) -> dict:
-    """Weights for heads ``[head_lo, head_hi)``; replicated ones whole.
+def _draw_weights(cfg, shapes: dict, seed: int, rank: int, tp: int, *, norms, shard_axis,
+                  units) -> dict:
+    """Rank ``rank``'s weights (of ``tp`` ranks) of the parameters ``shapes`` (full shapes, in
+    a fixed order); the replicated ones whole, the ``norms`` ones 1.
 
-    Every per-rank parameter is drawn head by head from its own generator
-    ``(seed, parameter, head)``, so a rank draws only its heads and gets exactly its slice of
-    the full weights (no rank materialises the whole model).
+    A per-rank parameter ``name`` (split along ``shard_axis[name]`` into ``units[name]``
+    heads or head groups) is drawn unit by unit from its own generator ``(seed, parameter,
+    unit)``, so a rank draws only its units and every TP degree holds slices of the same full
+    weights (no rank materialises the whole model).  The sink is a logit, not a weight: unit
+    scale so it matters from step 0; the others take ``cfg.initializer_range``.
+
+    Raises:
+        ValueError: ``cfg.initializer_range`` so large that fp32 draws overflow.
     """
     std = cfg.initializer_range
-    H = cfg.num_attention_heads
-    shapes = _full_shapes(cfg)
     out = {}
     with np.errstate(over="ignore"):  # an overflowing std is reported below, by name
         for pid, (name, shape) in enumerate(shapes.items()):
-            if name in ("q_norm_weight", "kv_norm_weight"):
+            if name in norms:
                 out[name] = np.ones(shape, np.float32)
                 continue
-            if name not in SHARD_AXIS:
+            if name not in shard_axis:
                 draw = np.random.default_rng([seed, pid]).standard_normal(shape)
                 out[name] = (draw * std).astype(np.float32)
                 continue
-            axis = SHARD_AXIS[name]
+            axis = shard_axis[name]
             block = list(shape)
-            block[axis] //= H
-            # The sink is a logit, not a weight: unit scale so it matters from step 0.
+            block[axis] //= units[name]
+            per_rank = units[name] // tp
             scale = 1.0 if name == "attn_sink" else std
             blocks = [
-                np.random.default_rng([seed, pid, head]).standard_normal(block) * scale
-                for head in range(head_lo, head_hi)
+                np.random.default_rng([seed, pid, unit]).standard_normal(block) * scale
+                for unit in range(rank * per_rank, (rank + 1) * per_rank)
             ]
             out[name] = np.concatenate(blocks, axis=axis).astype(np.float32)
     for name, value in out.items():
@@ -156,13 +163,21 @@ def _init_weights(cfg: MQALatentAttentionConfig, seed: int, head_lo: int, head_h
     return out
 
 
+def _init_weights(cfg: MQALatentAttentionConfig, seed: int, rank: int, tp: int) -> dict:
+    """Rank ``rank``'s weights of ``tp`` ranks (:func:`_draw_weights`): per-rank parameters
+    drawn head by head."""
+    H = cfg.num_attention_heads
+    return _draw_weights(cfg, _full_shapes(cfg), seed, rank, tp, norms=_NORMS,
+                         shard_axis=SHARD_AXIS, units=dict.fromkeys(SHARD_AXIS, H))
+
+
 def init_full_weights(config: MQALatentAttentionConfig, seed: int = 0) -> dict:
     """The unsharded weights (numpy fp32, keyed by parameter name) a layer built with
     ``seed`` holds, all heads.  Shapes: ``wq_a [hidden, q_lora]``, ``q_norm_weight [q_lora]``,
     ``wq_b [q_lora, H*(nope+rope)]`` (head-major columns), ``wkv_a [hidden, kv_lora+rope]``,
     ``kv_norm_weight [kv_lora]``, ``w_uk [H, nope, kv_lora]``, ``w_uv [H, kv_lora, v_head]``,
     ``wo [H*v_head, hidden]`` (head-major rows), ``attn_sink [H]`` (with a sink)."""
-    return _init_weights(config, seed, 0, config.num_attention_heads)
+    return _init_weights(config, seed, 0, 1)
 
 
 def shard_of(name: str, full: np.ndarray, rank: int, world_size: int, axes=None) -> np.ndarray:
@@ -198,65 +213,27 @@ def _rope(x, positions, theta):
     return x * cos + rotated * sin
 
 
-class MQALatentAttention(paddle.nn.Layer):
-    """DeepSeek-V3.2-style sparse MLA attention, heads split over a tensor-parallel group.
+class _TensorParallelAttention(paddle.nn.Layer):
+    """What the attention layers (:class:`MQALatentAttention`, DeepSeek-V4's
+    :class:`~.v4_layer.DeepSeekV4Attention`) share: the tensor-parallel group, the weights
+    (built from ``_init_weights``, loaded whole by :meth:`load_full_weights`), the checks of
+    ``hidden_states`` (dtype rules on CPU included), packed-document positions, the ranks'
+    agreement and the sequence-partitioned core.  A subclass names its config class, its
+    weights' builder and split axes, and reads from its config only what both configs have
+    (``tensor_parallel_degree``, ``heads_per_rank``, ``use_attn_sink``, ``hidden_size``,
+    ``sm_scale``, ``kernel_dv``, ``backward_backend``, ``deterministic``)."""
 
-    Args:
-        config: :class:`~paddlefleet.tilelang_ops.attn.config.MQALatentAttentionConfig`;
-            ``config.tensor_parallel_degree`` must equal the group's size.
-        group: the tensor-parallel group (a ``paddle.distributed`` group); ``None`` uses fleet's
-            model-parallel group when hybrid parallel is initialised, else the world group.
-        seed: seeds the weights (see :func:`init_full_weights`); equal seeds give every TP
-            degree the same model.
+    # A subclass sets:
+    #   config_class: the config class the layer takes;
+    #   shard_axis: the split axis of every per-rank parameter (shard_of);
+    #   _init_weights: staticmethod (config, seed, rank, tp) -> {name: numpy fp32 weight},
+    #       this rank's weights (replicated ones whole).
 
-    ``config.attention_partition`` (``"heads"`` or ``"sequence"``) picks how the attention
-    core is split over the group (module docstring); outputs and gradients are the same
-    either way (up to fp32 summation order).
-
-    Dtypes: the parameters take Paddle's default dtype when the layer is built (fp32
-    normally; ``attn_sink`` stays fp32).  On CPU the layer runs in float32 and float64 only;
-    float16 and bfloat16 layers run on CUDA (Paddle 3.3's CPU matmul has neither kernel).
-
-    Forward:
-        hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
-            dtype when the layer was built, fp32 normally).
-        token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
-            (``L`` is usually ``config.index_topk``; causality is carried by the indices).
-        cu_seqlens: ``None``, or the ``[num_docs + 1]`` int32 boundaries of documents packed
-            into the one row of a ``B = 1`` batch (a ``paddle.Tensor`` on any place, best the
-            CPU, or a ``numpy.ndarray``): starts at 0, non-decreasing, ends at ``S``; document
-            ``d`` is rows ``cu_seqlens[d] .. cu_seqlens[d+1] - 1``.  RoPE positions restart at
-            0 in every document, and every index of a row must be ``-1`` or a row of its own
-            document (``indices.varlen_causal_topk_indices`` builds such indices).  The same on
-            every TP rank.
-        ``hidden_states``, ``token_indices`` and ``cu_seqlens`` must be the same on every rank.
-        With ``"sequence"`` the index values (range, documents) are checked on all rows on
-        every rank before the first exchange, so a bad index raises on every rank alike; inputs
-        that fail the checks on some ranks only, or differ in ``[B, S, L]``, make every rank
-        raise too (one small all-reduce before the exchange; the ranks that passed raise a
-        ``ValueError`` naming the failing ranks).
-        Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
-
-    Raises:
-        ValueError: ``config.tensor_parallel_degree`` differs from the group size.
-        ValueError: ``config.initializer_range`` so large that fp32 weights overflow.
-        TypeError (forward): ``hidden_states`` not a paddle.Tensor in the parameters' dtype
-            (fp32 by default), or ``token_indices`` not a paddle.Tensor; a float16/bfloat16
-            layer on CPU (named, with the dtypes that run there).
-        ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
-            or ``token_indices`` not ``[B, S, L]``; index values as in the op.
-        TypeError (forward, with ``cu_seqlens``): ``cu_seqlens`` not an int32 tensor/array.
-        ValueError (forward, with ``cu_seqlens``): ``cu_seqlens`` not 1-D with >= 2 entries,
-            not starting at 0, decreasing or not ending at ``S`` (checked before any
-            projection), ``B != 1``, or an index outside its query's document (raised by the
-            op's value checks; the message names the first bad row).
-    """
-
-    def __init__(self, config: MQALatentAttentionConfig, group=None, seed: int = 0):
+    def __init__(self, config, group=None, seed: int = 0):
         super().__init__()
-        if not isinstance(config, MQALatentAttentionConfig):
+        if not isinstance(config, self.config_class):
             raise TypeError(
-                f"config: expected MQALatentAttentionConfig, got {type(config).__name__}"
+                f"config: expected {self.config_class.__name__}, got {type(config).__name__}"
             )
         self.config = config
         self.group = group if group is not None else default_tensor_parallel_group()
@@ -269,9 +246,7 @@ class MQALatentAttention(paddle.nn.Layer):
                 f"{self.tp_size} rank(s)"
             )
         self.num_local_heads = config.heads_per_rank
-        lo = self.tp_rank * self.num_local_heads
-        weights = _init_weights(config, seed, lo, lo + self.num_local_heads)
-        for name, value in weights.items():
+        for name, value in self._init_weights(config, seed, self.tp_rank, self.tp_size).items():
             dtype = "float32" if name == "attn_sink" else paddle.get_default_dtype()
             # Zeros, then one copy of the values: Paddle's Assign initializer takes ~27 s for
             # the 117M-element wo of the deepseek_v32 preset on CPU, this ~1 s.
@@ -284,14 +259,6 @@ class MQALatentAttention(paddle.nn.Layer):
             setattr(self, name, param)
         if not config.use_attn_sink:
             self.attn_sink = None
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return (
-            f"heads={c.num_attention_heads}, local_heads={self.num_local_heads}, "
-            f"tp_rank={self.tp_rank}/{self.tp_size}, Dk={c.kernel_dk}, Dv={c.kernel_dv}, "
-            f"v_head_dim={c.v_head_dim}, topk={c.index_topk}, sink={c.use_attn_sink}"
-        )
 
     def load_full_weights(self, full: dict) -> None:
         """Copy unsharded weights (numpy, :func:`init_full_weights` layout) into this rank's
@@ -320,9 +287,7 @@ class MQALatentAttention(paddle.nn.Layer):
             )
         values = {}
         for name, param in params.items():
-            # (a layer class with other per-rank parameters names them in shard_axis)
-            value = shard_of(name, full[name], self.tp_rank, self.tp_size,
-                             getattr(self, "shard_axis", SHARD_AXIS))
+            value = shard_of(name, full[name], self.tp_rank, self.tp_size, self.shard_axis)
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
@@ -344,10 +309,12 @@ class MQALatentAttention(paddle.nn.Layer):
             return self.attn_sink
         return self.attn_sink.astype("float32")
 
-    def _check_forward_inputs(self, hidden_states, token_indices) -> None:
-        """Errors named after the layer's own arguments, before any projection runs."""
+    def _check_hidden_states(self, hidden_states, **tensors) -> tuple:
+        """``(B, S)`` of ``hidden_states [B, S, hidden_size]`` in the parameters' dtype;
+        ``tensors`` (by argument name) must be paddle Tensors too.  Errors are named after the
+        layer's own arguments and raised before any projection runs."""
         c = self.config
-        for name, t in (("hidden_states", hidden_states), ("token_indices", token_indices)):
+        for name, t in (("hidden_states", hidden_states), *tensors.items()):
             if not isinstance(t, paddle.Tensor):
                 raise TypeError(f"{name}: expected a paddle.Tensor, got {type_name(t)}")
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
@@ -361,15 +328,15 @@ class MQALatentAttention(paddle.nn.Layer):
         name_of = str(want).replace("paddle.", "")
         if self.wq_a.place.is_cpu_place() and name_of not in CPU_DTYPES:
             raise TypeError(
-                f"MQALatentAttention: the layer's parameters are {name_of}, which does not run "
-                f"on CPU (Paddle's CPU matmul has no {name_of} kernel); on CPU the layer runs in "
-                f"{' or '.join(CPU_DTYPES)} (paddle.set_default_dtype before building it, or "
+                f"{type(self).__name__}: the layer's parameters are {name_of}, which does not "
+                f"run on CPU (Paddle's CPU matmul has no {name_of} kernel); on CPU the layer runs "
+                f"in {' or '.join(CPU_DTYPES)} (paddle.set_default_dtype before building it, or "
                 f"layer.to(dtype='float32')); {name_of} runs on CUDA"
             )
         if hidden_states.dtype != want:
             raise TypeError(
-                f"hidden_states: expected dtype {str(want).replace('paddle.', '')} (the layer's "
-                f"parameter dtype), got {str(hidden_states.dtype).replace('paddle.', '')}"
+                f"hidden_states: expected dtype {name_of} (the layer's parameter dtype), got "
+                f"{str(hidden_states.dtype).replace('paddle.', '')}"
             )
         B, S, _ = hidden_states.shape
         if B < 1 or S < 1:
@@ -377,11 +344,7 @@ class MQALatentAttention(paddle.nn.Layer):
                 f"hidden_states: expected B >= 1 and S >= 1 in [B, S, hidden_size], got shape "
                 f"{list(hidden_states.shape)}"
             )
-        if token_indices.ndim != 3 or list(token_indices.shape[:2]) != [B, S]:
-            raise ValueError(
-                f"token_indices: expected [B, S, L] with B={B} and S={S} (from hidden_states), "
-                f"got shape {list(token_indices.shape)}"
-            )
+        return B, S
 
     def _packed_positions(self, hidden_states, cu_seqlens):
         """``(cu_seqlens as a host int32 array, RoPE positions [S])``: positions count from 0
@@ -479,6 +442,81 @@ class MQALatentAttention(paddle.nn.Layer):
         )
         o_lat = all_to_all(o_rows, 2, 1, group)  # [B, rows * TP, h, Dv]
         return o_lat[:, :S] if pad else o_lat
+
+
+class MQALatentAttention(_TensorParallelAttention):
+    """DeepSeek-V3.2-style sparse MLA attention, heads split over a tensor-parallel group.
+
+    Args:
+        config: :class:`~paddlefleet.tilelang_ops.attn.config.MQALatentAttentionConfig`;
+            ``config.tensor_parallel_degree`` must equal the group's size.
+        group: the tensor-parallel group (a ``paddle.distributed`` group); ``None`` uses fleet's
+            model-parallel group when hybrid parallel is initialised, else the world group.
+        seed: seeds the weights (see :func:`init_full_weights`); equal seeds give every TP
+            degree the same model.
+
+    ``config.attention_partition`` (``"heads"`` or ``"sequence"``) picks how the attention
+    core is split over the group (module docstring); outputs and gradients are the same
+    either way (up to fp32 summation order).
+
+    Dtypes: the parameters take Paddle's default dtype when the layer is built (fp32
+    normally; ``attn_sink`` stays fp32).  On CPU the layer runs in float32 and float64 only;
+    float16 and bfloat16 layers run on CUDA (Paddle 3.3's CPU matmul has neither kernel).
+
+    Forward:
+        hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
+            dtype when the layer was built, fp32 normally).
+        token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
+            (``L`` is usually ``config.index_topk``; causality is carried by the indices).
+        cu_seqlens: ``None``, or the ``[num_docs + 1]`` int32 boundaries of documents packed
+            into the one row of a ``B = 1`` batch (a ``paddle.Tensor`` on any place, best the
+            CPU, or a ``numpy.ndarray``): starts at 0, non-decreasing, ends at ``S``; document
+            ``d`` is rows ``cu_seqlens[d] .. cu_seqlens[d+1] - 1``.  RoPE positions restart at
+            0 in every document, and every index of a row must be ``-1`` or a row of its own
+            document (``indices.varlen_causal_topk_indices`` builds such indices).  The same on
+            every TP rank.
+        ``hidden_states``, ``token_indices`` and ``cu_seqlens`` must be the same on every rank.
+        With ``"sequence"`` the index values (range, documents) are checked on all rows on
+        every rank before the first exchange, so a bad index raises on every rank alike; inputs
+        that fail the checks on some ranks only, or differ in ``[B, S, L]``, make every rank
+        raise too (one small all-reduce before the exchange; the ranks that passed raise a
+        ``ValueError`` naming the failing ranks).
+        Returns ``[B, S, hidden_size]`` in ``hidden_states``' dtype, identical on every rank.
+
+    Raises:
+        ValueError: ``config.tensor_parallel_degree`` differs from the group size.
+        ValueError: ``config.initializer_range`` so large that fp32 weights overflow.
+        TypeError (forward): ``hidden_states`` not a paddle.Tensor in the parameters' dtype
+            (fp32 by default), or ``token_indices`` not a paddle.Tensor; a float16/bfloat16
+            layer on CPU (named, with the dtypes that run there).
+        ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
+            or ``token_indices`` not ``[B, S, L]``; index values as in the op.
+        TypeError (forward, with ``cu_seqlens``): ``cu_seqlens`` not an int32 tensor/array.
+        ValueError (forward, with ``cu_seqlens``): ``cu_seqlens`` not 1-D with >= 2 entries,
+            not starting at 0, decreasing or not ending at ``S`` (checked before any
+            projection), ``B != 1``, or an index outside its query's document (raised by the
+            op's value checks; the message names the first bad row).
+    """
+
+    config_class = MQALatentAttentionConfig
+    shard_axis = SHARD_AXIS
+    _init_weights = staticmethod(_init_weights)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"heads={c.num_attention_heads}, local_heads={self.num_local_heads}, "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, Dk={c.kernel_dk}, Dv={c.kernel_dv}, "
+            f"v_head_dim={c.v_head_dim}, topk={c.index_topk}, sink={c.use_attn_sink}"
+        )
+
+    def _check_forward_inputs(self, hidden_states, token_indices) -> None:
+        B, S = self._check_hidden_states(hidden_states, token_indices=token_indices)
+        if token_indices.ndim != 3 or list(token_indices.shape[:2]) != [B, S]:
+            raise ValueError(
+                f"token_indices: expected [B, S, L] with B={B} and S={S} (from hidden_states), "
+                f"got shape {list(token_indices.shape)}"
+            )
 
     def forward(
         self,
