@@ -332,6 +332,28 @@ def test_weights_are_slices_of_the_full_weights():
         np.testing.assert_array_equal(p.numpy(), full[name], err_msg=name)
 
 
+@pytest.mark.parametrize("partition", ["heads", "sequence"])
+@pytest.mark.parametrize("deterministic", [None, False])
+def test_config_deterministic_and_fp32_sink_reach_the_op(monkeypatch, partition, deterministic):
+    """The layers' one sparse core (layer._TensorParallelAttention._sparse_core): the V4
+    config's deterministic, its scale, Dv and the fp32 sink are what the op gets."""
+    from paddlefleet.tilelang_ops.attn import layer as layer_mod
+
+    seen = []
+    real = layer_mod.mqa_latent_sparse_attention
+
+    def op(*args, **kwargs):
+        seen.append((kwargs["deterministic"], kwargs["d_v"], args[3], args[4].dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_mod, "mqa_latent_sparse_attention", op)
+    cfg = tiny(attention_partition=partition, deterministic=deterministic)
+    lay = DeepSeekV4Attention(cfg)
+    lay.to(dtype="float64")
+    lay(paddle.randn([1, 6, cfg.hidden_size]).astype("float64"))
+    assert seen == [(deterministic, 16, 0.25, paddle.float32)]
+
+
 # --- config ---------------------------------------------------------------------------------
 def test_presets_through_config_module(tmp_path):
     flash = config_mod.get_preset("deepseek_v4_flash")

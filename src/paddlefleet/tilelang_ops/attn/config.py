@@ -207,6 +207,19 @@ class _AttentionConfig:
             self._refuse(name, expected or f"one of {choices}{' or None' if optional else ''}")
         self._store(name, stored)
 
+    def _check_shared_options(self) -> None:
+        """The fields every attention config has besides its sizes: backward backend,
+        attention partition, softmax scale, RoPE base, RMSNorm eps, initializer range,
+        determinism and the sink."""
+        self._check_choice("backward_backend", BACKWARD_BACKENDS, optional=True)
+        self._check_choice("attention_partition", ATTENTION_PARTITIONS)
+        self._check_softmax_scale()
+        self._check_float("rope_theta", "positive")
+        self._check_float("rms_norm_eps", "eps")
+        self._check_float("initializer_range", "std")
+        self._check_bool("deterministic", optional=True)
+        self._check_bool("use_attn_sink")
+
     # --- derived sizes -----------------------------------------------------------------------
     @property
     def heads_per_rank(self) -> int:
@@ -357,14 +370,7 @@ class MQALatentAttentionConfig(_AttentionConfig):
         if self.qk_rope_head_dim % 2:
             self._refuse("qk_rope_head_dim", "even (rotary pairs)")
         self._check_divisible("num_attention_heads", "tensor_parallel_degree")
-        self._check_choice("backward_backend", BACKWARD_BACKENDS, optional=True)
-        self._check_choice("attention_partition", ATTENTION_PARTITIONS)
-        self._check_softmax_scale()
-        self._check_float("rope_theta", "positive")
-        self._check_float("rms_norm_eps", "eps")
-        self._check_float("initializer_range", "std")
-        self._check_bool("deterministic", optional=True)
-        self._check_bool("use_attn_sink")
+        self._check_shared_options()
 
     # --- derived sizes -----------------------------------------------------------------------
     @property

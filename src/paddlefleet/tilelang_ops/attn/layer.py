@@ -70,6 +70,8 @@ an fp64 layer uses them in float64.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -395,6 +397,36 @@ class _TensorParallelAttention(paddle.nn.Layer):
                 f"them), got {shapes}"
             )
 
+    @contextlib.contextmanager
+    def _inputs_checked_on_every_rank(self):
+        """Around a forward's input checks: with ``attention_partition="sequence"`` an error
+        raised inside is first handed to :meth:`_agree_before_exchange` (the ranks whose inputs
+        pass are on their way to the same agreement), then raised."""
+        try:
+            yield
+        except Exception as e:
+            if self.config.attention_partition == "sequence":
+                self._agree_before_exchange(e, None)
+            raise
+
+    def _sparse_core(self, query, kv, token_indices, cu_seqlens=None):
+        """The sparse attention of ``query [B, S, h, Dk]`` (this rank's heads) over ``kv``:
+        ``[B, S, h, Dv]`` in ``query``'s dtype.  On CUDA the op gets bf16 (the kernels' dtype);
+        ``config.attention_partition`` picks the heads path (the op on this rank's heads) or
+        :meth:`_sequence_partitioned_core`."""
+        c = self.config
+        compute_dtype = query.dtype
+        if query.place.is_gpu_place():  # the kernels take bf16
+            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
+        if c.attention_partition == "sequence":
+            o = self._sequence_partitioned_core(query, kv, token_indices, cu_seqlens)
+        else:
+            o = mqa_latent_sparse_attention(
+                query, kv, token_indices, c.sm_scale, self._sink(), c.backward_backend,
+                d_v=c.kernel_dv, cu_seqlens=cu_seqlens, deterministic=c.deterministic,
+            )
+        return o.astype(compute_dtype)
+
     def _sequence_partitioned_core(self, query, kv, token_indices, cu_seqlens):
         """The sparse core with ``attention_partition="sequence"``: ``query [B, S, h, Dk]``
         (this rank's heads, every row, RoPE applied) -> ``o_lat [B, S, h, Dv]``, computed on
@@ -525,7 +557,7 @@ class MQALatentAttention(_TensorParallelAttention):
         cu_seqlens=None,
     ) -> paddle.Tensor:
         c = self.config
-        try:
+        with self._inputs_checked_on_every_rank():
             self._check_forward_inputs(hidden_states, token_indices)
             B, S, _ = hidden_states.shape
             if cu_seqlens is None:
@@ -533,11 +565,6 @@ class MQALatentAttention(_TensorParallelAttention):
             else:
                 # Read to the host once; the op gets the host copy (no second device read).
                 cu_seqlens, positions = self._packed_positions(hidden_states, cu_seqlens)
-        except Exception as e:
-            if c.attention_partition == "sequence":
-                # the ranks whose inputs pass are on their way to the same agreement
-                self._agree_before_exchange(e, None)
-            raise
         h, nope, rope = self.num_local_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
 
         # Query path: replicated down-projection, then this rank's heads.
@@ -557,18 +584,7 @@ class MQALatentAttention(_TensorParallelAttention):
         )
         kv = copy_to_tensor_parallel(kv, self.group)
 
-        compute_dtype = query.dtype
-        on_cuda = hidden_states.place.is_gpu_place()
-        if on_cuda:  # the kernels take bf16
-            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
-        if c.attention_partition == "sequence":
-            o_lat = self._sequence_partitioned_core(query, kv, token_indices, cu_seqlens)
-        else:
-            o_lat = mqa_latent_sparse_attention(
-                query, kv, token_indices, c.sm_scale, self._sink(), c.backward_backend,
-                d_v=c.kernel_dv, cu_seqlens=cu_seqlens, deterministic=c.deterministic,
-            )
-        o_lat = o_lat.astype(compute_dtype)
+        o_lat = self._sparse_core(query, kv, token_indices, cu_seqlens)
 
         o = paddle.einsum("bshc,hcv->bshv", o_lat, self.w_uv)  # W_UV after the attention
         y = paddle.matmul(o.reshape([B, S, h * c.v_head_dim]), self.wo)

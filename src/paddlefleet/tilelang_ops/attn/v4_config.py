@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ATTENTION_PARTITIONS, BACKWARD_BACKENDS, _AttentionConfig
+from .config import _AttentionConfig
 
 __all__ = ["DeepSeekV4AttentionConfig", "COMPRESS_RATIOS", "PRESETS", "get_preset"]
 
@@ -115,15 +115,8 @@ class DeepSeekV4AttentionConfig(_AttentionConfig):
         elif self.compressed_topk is not None:
             self._refuse("compressed_topk", f"None with compress_ratio={self.compress_ratio!r} "
                                             "(only ratio-4 layers pick their compressed keys)")
-        self._check_choice("backward_backend", BACKWARD_BACKENDS, optional=True)
-        self._check_choice("attention_partition", ATTENTION_PARTITIONS)
-        self._check_softmax_scale()
-        self._check_float("rope_theta", "positive")
+        self._check_shared_options()
         self._check_float("compress_rope_theta", "positive")
-        self._check_float("rms_norm_eps", "eps")
-        self._check_float("initializer_range", "std")
-        self._check_bool("deterministic", optional=True)
-        self._check_bool("use_attn_sink")
 
     # --- derived sizes -----------------------------------------------------------------------
     @property

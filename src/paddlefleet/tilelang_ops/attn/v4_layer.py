@@ -69,7 +69,6 @@ from .adapter import type_name
 from .indices import window_compressed_indices
 from . import layer
 from .layer import _rms_norm, _rope
-from .op import mqa_latent_sparse_attention
 from .tp import copy_to_tensor_parallel, reduce_from_tensor_parallel
 from .v4_config import DeepSeekV4AttentionConfig
 
@@ -303,7 +302,7 @@ class DeepSeekV4Attention(layer._TensorParallelAttention):
 
     def forward(self, hidden_states, compressed_indices=None, cu_seqlens=None):
         c = self.config
-        try:
+        with self._inputs_checked_on_every_rank():
             B, S = self._check_forward_inputs(hidden_states, compressed_indices)
             if cu_seqlens is None:
                 cu, positions = None, np.arange(S)
@@ -312,10 +311,6 @@ class DeepSeekV4Attention(layer._TensorParallelAttention):
             picks = (None if compressed_indices is None
                      else _picks_on_host(compressed_indices, B, S))
             indices = paddle.to_tensor(_key_indices(c, B, S, cu, picks))
-        except Exception as e:
-            if c.attention_partition == "sequence":
-                self._agree_before_exchange(e, None)  # the other ranks are on their way there
-            raise
         D, r, h, eps = c.head_dim, c.qk_rope_head_dim, self.num_local_heads, c.rms_norm_eps
         theta = c.layer_rope_theta
 
@@ -332,16 +327,9 @@ class DeepSeekV4Attention(layer._TensorParallelAttention):
                 kv = paddle.concat([kv, kv_c], axis=1)
         kv = copy_to_tensor_parallel(kv, self.group)
 
-        compute_dtype = query.dtype
-        if hidden_states.place.is_gpu_place():  # the kernels take bf16
-            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
-        if c.attention_partition == "sequence":
-            o = self._sequence_partitioned_core(query, kv, indices, None)
-        else:
-            o = mqa_latent_sparse_attention(query, kv, indices, c.sm_scale, self._sink(),
-                                            c.backward_backend, d_v=D,
-                                            deterministic=c.deterministic)
-        o = _rope_tail(o.astype(compute_dtype), -positions, theta, r)  # inverse RoPE
+        # the key sets are per document already: the op needs no cu_seqlens
+        o = self._sparse_core(query, kv, indices)
+        o = _rope_tail(o, -positions, theta, r)  # inverse RoPE
 
         g = self.num_local_groups
         o = paddle.einsum("bsgd,grd->bsgr", o.reshape([B, S, g, -1]), self.wo_a)
