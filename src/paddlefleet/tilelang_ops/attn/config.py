@@ -111,6 +111,36 @@ def _in_fp32_normal_range(value: float) -> bool:
     return all(_FP32_TINY <= v <= _FP32_MAX for v in (value, v32))
 
 
+#: What a size must be (:func:`_as_size`), as the messages say it.
+_SIZE_EXPECTED = f"a positive int (at most {_MAX_SIZE}, a tensor dimension)"
+
+
+def _as_size(value):
+    """``value`` as a Python int if it is an integer in ``[1, 2**31 - 1]`` (a tensor dimension;
+    numpy integers by value, bools never), else ``None``."""
+    as_int = _as_int(value)
+    return as_int if as_int is not None and 0 < as_int <= _MAX_SIZE else None
+
+
+def _as_positive_float(value):
+    """``value`` as a Python float if it is a finite real number ``> 0`` (numpy scalars by
+    value, bools never), else ``None``."""
+    as_float = _as_float(value)
+    return as_float if as_float is not None and math.isfinite(as_float) and as_float > 0 else None
+
+
+def _as_choice(value, choices: tuple):
+    """``value`` if it is one of ``choices``, stored plain, else ``None``.  String choices
+    take strings only (a 0-d numpy array compares equal to a choice, and would then break
+    hash() and to_json_file) and give str subclasses (numpy strings, str enums) as the plain
+    str; int choices take ints by value."""
+    if all(isinstance(c, str) for c in choices):
+        stored = str.__str__(value) if isinstance(value, str) else None
+    else:
+        stored = _as_int(value)
+    return stored if stored is not None and stored in choices else None
+
+
 #: The rules of the float fields (``rule`` of :meth:`_AttentionConfig._check_float`): a
 #: predicate and what the message says is expected.  RoPE tables are computed in float64 (any
 #: finite base > 0 works); an RMSNorm eps is added to a mean square in the layer's dtype (fp32
@@ -118,7 +148,7 @@ def _in_fp32_normal_range(value: float) -> bool:
 _FP32_RANGE = (f"a number in [{_FP32_TINY:.6g}, {_FP32_MAX:.6g}], float32's normal range (also "
                "after rounding to float32)")
 _FLOAT_RULES = {
-    "positive": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "positive": (lambda v: _as_positive_float(v) is not None, "a finite number > 0"),
     "eps": (_in_fp32_normal_range, (
         f"{_FP32_RANGE}: the fp32 layer adds it to a mean square, and a smaller eps is "
         "subnormal or 0 there (an all-zero row then normalises to NaN)")),
@@ -146,10 +176,10 @@ class _AttentionConfig:
     def _check_sizes(self, *names: str, qualifier: str = "") -> None:
         """Positive ints of at most ``2**31 - 1`` (tensor dimensions)."""
         for name in names:
-            value = _as_int(getattr(self, name))
-            if value is None or not 0 < value <= _MAX_SIZE:
-                self._refuse(name, f"a positive int{qualifier} (at most {_MAX_SIZE}, a tensor "
-                                   "dimension)")
+            value = _as_size(getattr(self, name))
+            if value is None:
+                self._refuse(name, _SIZE_EXPECTED.replace("a positive int",
+                                                          f"a positive int{qualifier}"))
             self._store(name, value)
 
     def _check_divisible(self, name: str, by: str, why: str = "") -> None:
@@ -192,18 +222,12 @@ class _AttentionConfig:
 
     def _check_choice(self, name: str, choices: tuple, *, optional: bool = False,
                       expected: str | None = None) -> None:
-        """One of ``choices`` (``None`` too where ``optional``).  String choices take strings
-        only (a 0-d numpy array compares equal to a choice, and would then break hash() and
-        to_json_file) and store str subclasses (numpy strings, str enums) as the plain str;
-        int choices take ints by value."""
+        """One of ``choices`` (``None`` too where ``optional``), by :func:`_as_choice`."""
         value = getattr(self, name)
         if value is None and optional:
             return
-        if all(isinstance(c, str) for c in choices):
-            stored = str.__str__(value) if isinstance(value, str) else None
-        else:
-            stored = _as_int(value)
-        if stored is None or stored not in choices:
+        stored = _as_choice(value, choices)
+        if stored is None:
             self._refuse(name, expected or f"one of {choices}{' or None' if optional else ''}")
         self._store(name, stored)
 
