@@ -523,7 +523,7 @@ def get_preset(name: str, **overrides):
     ``"deepseek_v4_flash"`` and ``"deepseek_v4_small"`` give a
     :class:`~.v4_config.DeepSeekV4AttentionConfig`), fields overridable."""
     if name in _v4().PRESETS:
-        return _v4().DeepSeekV4AttentionConfig.from_dict({**_v4().PRESETS[name], **overrides})
+        return _v4().get_preset(name, **overrides)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of "
                          f"{sorted(PRESETS) + sorted(_v4().PRESETS)}")
