@@ -287,9 +287,10 @@ def test_load_full_weights_is_strict():
     lay = DeepSeekV4Attention(cfg, seed=1)
     before = {n: p.numpy().copy() for n, p in lay.named_parameters()}
     full = init_full_weights(cfg.replace(use_attn_sink=True), seed=2)
-    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['attn_sink'\] are not "
-                                         r"parameters of this layer, which would drop them; "
-                                         r"attn_sink is a weight of layers with use_attn_sink=True"):
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['attn_sink'\] are "
+                                         r"not parameters of this layer, which would drop them; "
+                                         r"attn_sink is a weight of layers with "
+                                         r"use_attn_sink=True"):
         lay.load_full_weights(full)
     del full["attn_sink"]
     misspelled = dict(full, wkv_comp=full["wkv_c"])
