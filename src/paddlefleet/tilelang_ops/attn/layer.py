@@ -219,11 +219,13 @@ class _TensorParallelAttention(paddle.nn.Layer):
     """What the attention layers (:class:`MQALatentAttention`, DeepSeek-V4's
     :class:`~.v4_layer.DeepSeekV4Attention`) share: the tensor-parallel group, the weights
     (built from ``_init_weights``, loaded whole by :meth:`load_full_weights`), the checks of
-    ``hidden_states`` (dtype rules on CPU included), packed-document positions, the ranks'
-    agreement and the sequence-partitioned core.  A subclass names its config class, its
-    weights' builder and split axes, and reads from its config only what both configs have
+    ``hidden_states`` (the CPU dtype rule included), packed-document positions, the ranks'
+    agreement on the input checks, and the sparse core (bf16 on CUDA, the two attention
+    partitions, the fp32 sink).  A subclass names its config class, its weights' builder and
+    split axes; this class reads from the config only fields both configs have
     (``tensor_parallel_degree``, ``heads_per_rank``, ``use_attn_sink``, ``hidden_size``,
-    ``sm_scale``, ``kernel_dv``, ``backward_backend``, ``deterministic``)."""
+    ``attention_partition``, ``sm_scale``, ``kernel_dv``, ``backward_backend``,
+    ``deterministic``)."""
 
     # A subclass sets:
     #   config_class: the config class the layer takes;
