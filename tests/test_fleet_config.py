@@ -174,6 +174,22 @@ def test_numpy_scalars_are_accepted():
     assert type(cfg.num_attention_heads) is int and cfg.num_attention_heads == 16
 
 
+@pytest.mark.parametrize("field,extra", [("rope_theta", {}), ("rms_norm_eps", {}),
+                                         ("hidden_size", {}), ("tensor_model_parallel_size", {}),
+                                         ("mscale_all_dim", {"rotary_scaling_factor": 40})])
+def test_a_huge_integer_is_named_with_its_paddlefleet_field(field, extra):
+    """The config's rules (issue 41, item 4) for the PaddleFleet fields too: 10**400 in a float
+    field raised a raw OverflowError from math.isfinite; a huge int is named by its size."""
+    with pytest.raises(ValueError, match=rf"^PaddleFleet config field {field} must be .*, got an "
+                                         r"integer of 1329 bits \(about 10\*\*400\)$"):
+        MQALatentAttentionConfig.from_fleet_config(fleet(**{field: 10**400}, **extra))
+
+
+def test_numpy_bool_sink_bias_is_taken_by_value():
+    cfg = MQALatentAttentionConfig.from_fleet_config(fleet(add_full_attention_sink_bias=np.True_))
+    assert cfg.use_attn_sink is True
+
+
 def test_a_config_check_names_the_paddlefleet_fields_involved():
     with pytest.raises(ValueError, match="divisible by tensor_parallel_degree.*"
                                          "tensor_parallel_degree <- tensor_model_parallel_size"):

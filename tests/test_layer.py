@@ -143,6 +143,14 @@ def test_weights_are_slices_of_the_full_weights():
         np.testing.assert_array_equal(np.concatenate(parts, axis=axis), full[name])
         assert parts[0].shape[axis] * 4 == full[name].shape[axis]
     assert full["wq_b"].shape[1] == H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    # what rank r of 4 draws itself (the layer's build on that rank) is that slice
+    from paddlefleet.tilelang_ops.attn.layer import _init_weights
+
+    for r in range(4):
+        part = _init_weights(cfg.replace(tensor_parallel_degree=4), 3, r, 4)
+        assert sorted(part) == sorted(full)
+        for name, value in part.items():
+            np.testing.assert_array_equal(value, shard_of(name, full[name], r, 4), err_msg=name)
     assert not np.array_equal(init_full_weights(cfg, seed=4)["wo"], full["wo"])
 
 

@@ -244,6 +244,117 @@ def test_forward_errors():
         DeepSeekV4Attention(tiny(tensor_parallel_degree=2))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_layer_on_cpu_names_its_dtype(dtype):
+    """The V3.2 layer's CPU rule (issue 41, item 7) holds for the V4 layer too: a float16 /
+    bfloat16 layer on CPU used to fail inside Paddle's matmul; it raises a TypeError naming the
+    dtype and layer.CPU_DTYPES, while float32 and float64 layers run."""
+    cfg = tiny()
+    x = paddle.randn([1, 8, cfg.hidden_size])
+    for ok in ("float32", "float64"):
+        lay = DeepSeekV4Attention(cfg)
+        lay.to(dtype=ok)
+        y = lay(x.astype(ok))
+        assert y.dtype == getattr(paddle, ok) and bool(paddle.isfinite(y).all())
+    lay = DeepSeekV4Attention(cfg)
+    lay.to(dtype=dtype)
+    with pytest.raises(TypeError, match=rf"^DeepSeekV4Attention: the layer's parameters are "
+                                        rf"{dtype}, which does not run on CPU .*runs in float32 "
+                                        rf"or float64"):
+        lay(x.astype(dtype))
+
+
+def test_fp64_layer_uses_fp64_rope_tables():
+    """An fp64 layer rotates with float64 tables (issue 41: the V3.2 layer's rule, through the
+    shared layer._rope); fp32 angles would be off by ~1e-4 at position 10**5."""
+    from paddlefleet.tilelang_ops.attn.v4_layer import _rope_tail
+
+    pos = np.array([0, 7, 10**5, 3 * 10**5])
+    x = np.random.default_rng(0).standard_normal((4, 8))
+    got = _rope_tail(paddle.to_tensor(x), pos, 160000.0, 4).numpy()
+    ang = np.outer(pos, 1.0 / 160000.0 ** (np.arange(0, 4, 2) / 4))
+    c, s = np.cos(ang), np.sin(ang)
+    x1, x2 = x[:, 4:6], x[:, 6:]
+    want = np.concatenate([x[:, :4], x1 * c - x2 * s, x2 * c + x1 * s], axis=1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_load_full_weights_is_strict():
+    """The V3.2 layer's load_full_weights (shared): keys that are no parameter of the layer (a
+    trained sink into a use_attn_sink=False layer, a misspelled name) and missing keys raise,
+    named, before anything is written; a good load fills every parameter."""
+    cfg = tiny(use_attn_sink=False, compress_ratio=128)
+    lay = DeepSeekV4Attention(cfg, seed=1)
+    before = {n: p.numpy().copy() for n, p in lay.named_parameters()}
+    full = init_full_weights(cfg.replace(use_attn_sink=True), seed=2)
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['attn_sink'\] are "
+                                         r"not parameters of this layer, which would drop them; "
+                                         r"attn_sink is a weight of layers with "
+                                         r"use_attn_sink=True"):
+        lay.load_full_weights(full)
+    del full["attn_sink"]
+    misspelled = dict(full, wkv_comp=full["wkv_c"])
+    with pytest.raises(ValueError, match=r"^load_full_weights: weight\(s\) \['wkv_comp'\] are not"):
+        lay.load_full_weights(misspelled)
+    del misspelled["wkv_c"]
+    with pytest.raises(ValueError, match=r"^load_full_weights: missing weight\(s\) \['wkv_c'\]"):
+        lay.load_full_weights(misspelled)
+    for name, p in lay.named_parameters():  # untouched by the failed loads
+        np.testing.assert_array_equal(p.numpy(), before[name], err_msg=name)
+    full = init_full_weights(cfg, seed=2)
+    lay.load_full_weights(full)
+    for name, p in lay.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), full[name], err_msg=name)
+
+
+def test_initializer_range_that_overflows_fp32_weights():
+    """The V3.2 layer's rule: a std near fp32's largest number drew inf weights silently; the
+    build raises naming the field and the first parameter."""
+    with pytest.raises(ValueError, match=r"^config.initializer_range=3e\+38 draws non-finite fp32 "
+                                         r"weights \(wq_a\)"):
+        DeepSeekV4Attention(tiny(initializer_range=3e38))
+
+
+def test_weights_are_slices_of_the_full_weights():
+    """Per-unit generators: a rank's weights are its slice of init_full_weights at every TP
+    degree (heads for wq_b and the sink, head groups for wo_a and wo_b)."""
+    from paddlefleet.tilelang_ops.attn.v4_layer import _init_weights, shard_of
+
+    cfg = tiny(compress_ratio=4, compressed_topk=2)
+    full = init_full_weights(cfg, seed=4)
+    for rank in range(2):
+        part = _init_weights(cfg.replace(tensor_parallel_degree=2), 4, rank, 2)
+        assert sorted(part) == sorted(full)
+        for name, value in part.items():
+            np.testing.assert_array_equal(value, shard_of(name, full[name], rank, 2),
+                                          err_msg=name)
+    lay = DeepSeekV4Attention(cfg, seed=4)
+    for name, p in lay.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), full[name], err_msg=name)
+
+
+@pytest.mark.parametrize("partition", ["heads", "sequence"])
+@pytest.mark.parametrize("deterministic", [None, False])
+def test_config_deterministic_and_fp32_sink_reach_the_op(monkeypatch, partition, deterministic):
+    """The layers' one sparse core (layer._TensorParallelAttention._sparse_core): the V4
+    config's deterministic, its scale, Dv and the fp32 sink are what the op gets."""
+    from paddlefleet.tilelang_ops.attn import layer as layer_mod
+
+    seen = []
+    real = layer_mod.mqa_latent_sparse_attention
+
+    def op(*args, **kwargs):
+        seen.append((kwargs["deterministic"], kwargs["d_v"], args[3], args[4].dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_mod, "mqa_latent_sparse_attention", op)
+    cfg = tiny(attention_partition=partition, deterministic=deterministic)
+    lay = DeepSeekV4Attention(cfg)
+    lay.to(dtype="float64")
+    lay(paddle.randn([1, 6, cfg.hidden_size]).astype("float64"))
+    assert seen == [(deterministic, 16, 0.25, paddle.float32)]
+
+
 # --- config ---------------------------------------------------------------------------------
 def test_presets_through_config_module(tmp_path):
     flash = config_mod.get_preset("deepseek_v4_flash")
@@ -271,8 +382,8 @@ def test_presets_through_config_module(tmp_path):
 @pytest.mark.parametrize(
     "over,pattern",
     [
-        (dict(hidden_size=0), "hidden_size must be a positive int, got 0"),
-        (dict(head_dim=True), "head_dim must be a positive int, got True"),
+        (dict(hidden_size=0), "hidden_size must be a positive int .*, got 0$"),
+        (dict(head_dim=True), "head_dim must be a positive int .*, got True$"),
         (dict(qk_rope_head_dim=3), "qk_rope_head_dim must be even"),
         (dict(qk_rope_head_dim=32), "qk_rope_head_dim must be even .* at most head_dim=16"),
         (dict(o_groups=3), "o_groups must be a divisor of num_attention_heads=4"),
@@ -283,13 +394,82 @@ def test_presets_through_config_module(tmp_path):
         (dict(backward_backend="x"), "backward_backend must be one of"),
         (dict(attention_partition="rows"), "attention_partition must be one of"),
         (dict(softmax_scale=0.0), "softmax_scale must be None or a finite number > 0"),
-        (dict(compress_rope_theta=float("nan")), "compress_rope_theta must be a finite positive"),
+        (dict(compress_rope_theta=float("nan")), "compress_rope_theta must be a finite number > 0"),
         (dict(use_attn_sink=1), "use_attn_sink must be a bool"),
     ],
 )
 def test_config_errors(over, pattern):
     with pytest.raises(ValueError, match="^DeepSeekV4AttentionConfig." + pattern):
         tiny(**over)
+
+
+def test_config_takes_numpy_scalars_by_value_and_saves(tmp_path):
+    """Issue 41's rules for the V4 config too: ``np.int64`` sizes, ``np.float32`` scale and eps,
+    ``np.bool_`` flags and ``compress_ratio=np.int64(4)`` were refused (or, for floats, kept
+    as numpy scalars that JSON cannot write); they are taken by value, stored as Python
+    numbers, and the config saves and loads back."""
+    plain = tiny(compress_ratio=4, compressed_topk=2, softmax_scale=0.125, rope_theta=5e5,
+                 deterministic=False)
+    cfg = tiny(hidden_size=np.int32(16), num_attention_heads=np.int64(4),
+               compress_ratio=np.int64(4), compressed_topk=np.int16(2),
+               softmax_scale=np.float32(0.125), rope_theta=np.float64(5e5),
+               rms_norm_eps=np.float32(1e-6), use_attn_sink=np.bool_(True),
+               deterministic=np.False_)
+    for name in ("hidden_size", "num_attention_heads", "compress_ratio", "compressed_topk"):
+        assert type(getattr(cfg, name)) is int, name
+    for name in ("softmax_scale", "rope_theta", "rms_norm_eps"):
+        assert type(getattr(cfg, name)) is float, name
+    assert cfg.use_attn_sink is True and cfg.deterministic is False
+    assert cfg.rms_norm_eps == float(np.float32(1e-6))
+    assert cfg.replace(rms_norm_eps=1e-6) == plain
+    assert hash(cfg.replace(rms_norm_eps=1e-6)) == hash(plain)
+    path = tmp_path / "v4.json"
+    cfg.to_json_file(path)
+    assert json.loads(path.read_text())["softmax_scale"] == 0.125
+    assert config_mod.load_config(str(path)) == cfg
+    for name, value in (("num_attention_heads", np.bool_(True)), ("hidden_size", np.float64(16)),
+                        ("compress_ratio", 4.0), ("compress_ratio", True),
+                        ("use_attn_sink", np.int64(1)), ("deterministic", 1)):
+        with pytest.raises(ValueError, match=rf"^DeepSeekV4AttentionConfig\.{name} must be"):
+            tiny(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "field,value,shown",
+    [
+        ("rms_norm_eps", 1e-320, "1e-320"),  # 0 in fp32: an all-zero row normalises to NaN
+        ("rms_norm_eps", 1e-39, "1e-39"),  # subnormal in fp32
+        ("initializer_range", 1e300, "1e+300"),  # inf weights in fp32
+        ("compress_rope_theta", 10**400, "an integer of 1329 bits (about 10**400)"),
+        ("hidden_size", 10**400, "an integer of 1329 bits (about 10**400)"),
+        ("window_size", 2**31, "2147483648"),
+    ],
+    ids=["eps_zero_in_fp32", "eps_subnormal_in_fp32", "init_inf_in_fp32", "theta_1e400",
+         "hidden_1e400", "window_over_int32"],
+)
+def test_config_values_that_cannot_work_name_the_field(field, value, shown):
+    """The V3.2 config's ranges (issue 41, item 4): eps=1e-320 was accepted (0 in the fp32
+    layer) and a 401-digit int shown in full."""
+    import re
+
+    with pytest.raises(ValueError, match=rf"^DeepSeekV4AttentionConfig\.{field} must be .*, got "
+                                         rf"{re.escape(shown)}$"):
+        tiny(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", 0), ("rms_norm_eps", 1e-320),
+                                         ("rope_theta", float("nan")), ("softmax_scale", -1.0),
+                                         ("backward_backend", "x"), ("deterministic", "yes"),
+                                         ("attention_partition", "rows")])
+def test_both_configs_give_the_same_message(field, value):
+    """One validation: a field both blocks have is refused with the same words."""
+    with pytest.raises(ValueError) as v32:
+        config_mod.get_preset("deepseek_v32_small", **{field: value})
+    with pytest.raises(ValueError) as v4:
+        tiny(**{field: value})
+    assert str(v32.value).startswith("MQALatentAttentionConfig.")
+    assert str(v4.value) == str(v32.value).replace("MQALatentAttentionConfig.",
+                                                   "DeepSeekV4AttentionConfig.")
 
 
 # --- the main job in one process ------------------------------------------------------------

@@ -111,8 +111,226 @@ def _in_fp32_normal_range(value: float) -> bool:
     return all(_FP32_TINY <= v <= _FP32_MAX for v in (value, v32))
 
 
+#: What a size must be (:func:`_as_size`), as the messages say it.
+_SIZE_EXPECTED = f"a positive int (at most {_MAX_SIZE}, a tensor dimension)"
+
+
+def _as_size(value):
+    """``value`` as a Python int if it is an integer in ``[1, 2**31 - 1]`` (a tensor dimension;
+    numpy integers by value, bools never), else ``None``."""
+    as_int = _as_int(value)
+    return as_int if as_int is not None and 0 < as_int <= _MAX_SIZE else None
+
+
+def _as_positive_float(value):
+    """``value`` as a Python float if it is a finite real number ``> 0`` (numpy scalars by
+    value, bools never), else ``None``."""
+    as_float = _as_float(value)
+    return as_float if as_float is not None and math.isfinite(as_float) and as_float > 0 else None
+
+
+def _as_choice(value, choices: tuple):
+    """``value`` if it is one of ``choices``, stored plain, else ``None``.  String choices
+    take strings only (a 0-d numpy array compares equal to a choice, and would then break
+    hash() and to_json_file) and give str subclasses (numpy strings, str enums) as the plain
+    str; int choices take ints by value."""
+    if all(isinstance(c, str) for c in choices):
+        stored = str.__str__(value) if isinstance(value, str) else None
+    else:
+        stored = _as_int(value)
+    return stored if stored is not None and stored in choices else None
+
+
+#: The rules of the float fields (``rule`` of :meth:`_AttentionConfig._check_float`): a
+#: predicate and what the message says is expected.  RoPE tables are computed in float64 (any
+#: finite base > 0 works); an RMSNorm eps is added to a mean square in the layer's dtype (fp32
+#: by default), where a smaller eps is subnormal or 0; the weights are drawn in fp32.
+_FP32_RANGE = (f"a number in [{_FP32_TINY:.6g}, {_FP32_MAX:.6g}], float32's normal range (also "
+               "after rounding to float32)")
+_FLOAT_RULES = {
+    "positive": (lambda v: _as_positive_float(v) is not None, "a finite number > 0"),
+    "eps": (_in_fp32_normal_range, (
+        f"{_FP32_RANGE}: the fp32 layer adds it to a mean square, and a smaller eps is "
+        "subnormal or 0 there (an all-zero row then normalises to NaN)")),
+    "std": (_in_fp32_normal_range, f"{_FP32_RANGE}: the standard deviation of fp32 weights"),
+}
+
+
+class _AttentionConfig:
+    """What the attention configs (this module's, DeepSeek-V4's in :mod:`.v4_config`) share:
+    the field checks their ``__post_init__`` run, (de)serialisation and ``heads_per_rank``.
+
+    Every field check raises ``ValueError("<ClassName>.<field> must be <expected>, got
+    <value>")`` and stores what it accepted in its plain Python form (numbers taken by value,
+    numpy scalars included, as ``int`` / ``float`` / ``bool``; choices as the plain ``str``),
+    so that a config compares, hashes and serialises the same whatever built it.
+    """
+
+    def _refuse(self, name: str, expected: str):
+        raise ValueError(f"{type(self).__name__}.{name} must be {expected}, got "
+                         f"{_short_repr(getattr(self, name))}")
+
+    def _store(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # the configs are frozen dataclasses
+
+    def _check_sizes(self, *names: str, qualifier: str = "") -> None:
+        """Positive ints of at most ``2**31 - 1`` (tensor dimensions)."""
+        for name in names:
+            value = _as_size(getattr(self, name))
+            if value is None:
+                self._refuse(name, _SIZE_EXPECTED.replace("a positive int",
+                                                          f"a positive int{qualifier}"))
+            self._store(name, value)
+
+    def _check_divisible(self, name: str, by: str, why: str = "") -> None:
+        """The size ``name`` a multiple of the size ``by`` (both checked sizes already)."""
+        value, divisor = getattr(self, name), getattr(self, by)
+        if value % divisor:
+            raise ValueError(f"{type(self).__name__}.{name} must be divisible by {by}{why}, got "
+                             f"{name}={value} and {by}={divisor}")
+
+    def _check_float(self, name: str, rule: str) -> None:
+        """A real number by the rule of :data:`_FLOAT_RULES`: ``"positive"`` (finite, > 0),
+        ``"eps"`` or ``"std"`` (in float32's normal range)."""
+        ok, expected = _FLOAT_RULES[rule]
+        value = _as_float(getattr(self, name))
+        if value is None or not ok(value):
+            self._refuse(name, expected)
+        self._store(name, value)
+
+    def _check_softmax_scale(self) -> None:
+        """``None`` or the op's rule (finite and > 0, also in float32), checked here already so
+        that a bad config fails when it is built, not at the first forward."""
+        if self.softmax_scale is None:
+            return
+        scale = _as_float(self.softmax_scale)
+        try:
+            check_sm_scale(scale)
+        except (TypeError, ValueError):
+            self._refuse("softmax_scale", "None or a finite number > 0 (also finite and > 0 in "
+                                          "float32)")
+        self._store("softmax_scale", scale)
+
+    def _check_bool(self, name: str, *, optional: bool = False) -> None:
+        """``bool`` or ``np.bool_`` (``None`` too where ``optional``); never a number."""
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        if not _is_bool(value):
+            self._refuse(name, "True, False or None" if optional else "a bool")
+        self._store(name, bool(value))
+
+    def _check_choice(self, name: str, choices: tuple, *, optional: bool = False,
+                      expected: str | None = None) -> None:
+        """One of ``choices`` (``None`` too where ``optional``), by :func:`_as_choice`."""
+        value = getattr(self, name)
+        if value is None and optional:
+            return
+        stored = _as_choice(value, choices)
+        if stored is None:
+            self._refuse(name, expected or f"one of {choices}{' or None' if optional else ''}")
+        self._store(name, stored)
+
+    def _check_shared_options(self) -> None:
+        """The fields every attention config has besides its sizes: backward backend,
+        attention partition, softmax scale, RoPE base, RMSNorm eps, initializer range,
+        determinism and the sink."""
+        self._check_choice("backward_backend", BACKWARD_BACKENDS, optional=True)
+        self._check_choice("attention_partition", ATTENTION_PARTITIONS)
+        self._check_softmax_scale()
+        self._check_float("rope_theta", "positive")
+        self._check_float("rms_norm_eps", "eps")
+        self._check_float("initializer_range", "std")
+        self._check_bool("deterministic", optional=True)
+        self._check_bool("use_attn_sink")
+
+    # --- derived sizes -----------------------------------------------------------------------
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_attention_heads // self.tensor_parallel_degree
+
+    # --- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Build from a mapping; unknown keys raise ``ValueError`` naming them (a typo in a
+        JSON file should not be silently ignored)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__}: unknown field(s) {unknown}; known fields: "
+                f"{sorted(known)}"
+            )
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in data
+        )
+        if missing:
+            raise ValueError(f"{cls.__name__}: missing required field(s) {missing}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike, **overrides):
+        """Build from a JSON object file, fields overridable.
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: the file is not UTF-8 text, not valid JSON (an integer of more than
+                Python's 4300 digits included) or not a JSON object, or gives a field twice, or
+                a field is unknown, missing or invalid; every message names the file.
+        """
+        return _from_file_data(cls, path, _read_json_object(path), overrides)
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        """Write the config as a JSON object (``indent=2``) to ``path``, atomically.
+
+        The text is made first, then written to a temporary file in the same folder and moved
+        over ``path`` with ``os.replace``: a failed save (serialisation, full disk) leaves an
+        existing file as it was, and a reader never sees half a file.  An existing file keeps
+        its permission bits; a symlink keeps pointing where it did (its target is replaced).
+
+        Raises:
+            OSError: the folder cannot be written.
+        """
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+        target = os.path.realpath(os.fspath(path))
+        folder, base = os.path.split(target)
+        tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            # 0o666 less the umask, as open(path, "w") would give a new file
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+            except FileNotFoundError:
+                pass
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def replace(self, **changes):
+        """A copy with some fields changed (validated again; an unknown field is a
+        ``ValueError`` naming it, as in :meth:`from_dict`)."""
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
 @dataclasses.dataclass(frozen=True)
-class MQALatentAttentionConfig:
+class MQALatentAttentionConfig(_AttentionConfig):
     """Sizes and options of one DeepSeek-V3.2-style sparse MLA attention block.
 
     Attributes:
@@ -172,91 +390,11 @@ class MQALatentAttentionConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self):
-        # Numbers are taken by value (numpy scalars too) and stored as Python int / float /
-        # bool, so that the config compares, hashes and serialises the same whatever built it.
-        for name in _POSITIVE_INT_FIELDS:
-            value = getattr(self, name)
-            as_int = _as_int(value)
-            if as_int is None or not 0 < as_int <= _MAX_SIZE:
-                raise ValueError(
-                    f"MQALatentAttentionConfig.{name} must be a positive int (at most "
-                    f"{_MAX_SIZE}, a tensor dimension), got {_short_repr(value)}"
-                )
-            object.__setattr__(self, name, as_int)
+        self._check_sizes(*_POSITIVE_INT_FIELDS)
         if self.qk_rope_head_dim % 2:
-            raise ValueError(
-                "MQALatentAttentionConfig.qk_rope_head_dim must be even (rotary pairs), got "
-                f"{self.qk_rope_head_dim}"
-            )
-        if self.num_attention_heads % self.tensor_parallel_degree:
-            raise ValueError(
-                "MQALatentAttentionConfig.num_attention_heads must be divisible by "
-                f"tensor_parallel_degree, got {self.num_attention_heads} heads and "
-                f"tensor_parallel_degree={self.tensor_parallel_degree}"
-            )
-        # Strings only (a 0-d numpy array compares equal to a choice, and would then break
-        # hash() and to_json_file); str subclasses (numpy strings, str enums) are stored as
-        # the plain str.
-        backend = self.backward_backend
-        if backend is not None and not (isinstance(backend, str) and backend in BACKWARD_BACKENDS):
-            raise ValueError(
-                f"MQALatentAttentionConfig.backward_backend must be one of {BACKWARD_BACKENDS} "
-                f"or None, got {backend!r}"
-            )
-        partition = self.attention_partition
-        if not (isinstance(partition, str) and partition in ATTENTION_PARTITIONS):
-            raise ValueError(
-                f"MQALatentAttentionConfig.attention_partition must be one of "
-                f"{ATTENTION_PARTITIONS}, got {partition!r}"
-            )
-        if backend is not None:
-            object.__setattr__(self, "backward_backend", str.__str__(backend))
-        object.__setattr__(self, "attention_partition", str.__str__(partition))
-        if self.softmax_scale is not None:
-            # The op's own rule (finite and > 0, also in float32), checked here already so
-            # that a bad config fails when it is built, not at the first forward.
-            scale = _as_float(self.softmax_scale)
-            try:
-                check_sm_scale(scale)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    "MQALatentAttentionConfig.softmax_scale must be None or a finite number > 0 "
-                    f"(also finite and > 0 in float32), got {self.softmax_scale!r}"
-                ) from None
-            object.__setattr__(self, "softmax_scale", scale)
-        # What each float field must be for the block to compute anything but NaN/inf.  The
-        # RoPE tables are computed in float64 (any finite base > 0 works); the RMSNorm eps is
-        # added to a mean square in the layer's dtype (fp32 by default), where a smaller eps
-        # is subnormal or 0; the weights are drawn in fp32.
-        fp32_range = (f"a number in [{_FP32_TINY:.6g}, {_FP32_MAX:.6g}], float32's normal "
-                      "range (also after rounding to float32)")
-        rules = {
-            "rope_theta": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
-            "rms_norm_eps": (_in_fp32_normal_range, (
-                f"{fp32_range}: the fp32 layer adds it to a mean square, and a smaller eps is "
-                "subnormal or 0 there (an all-zero row then normalises to NaN)")),
-            "initializer_range": (_in_fp32_normal_range,
-                                  f"{fp32_range}: the standard deviation of fp32 weights"),
-        }
-        for name, (ok, expected) in rules.items():
-            value = getattr(self, name)
-            as_float = _as_float(value)
-            if as_float is None or not ok(as_float):
-                raise ValueError(f"MQALatentAttentionConfig.{name} must be {expected}, got "
-                                 f"{_short_repr(value)}")
-            object.__setattr__(self, name, as_float)
-        if self.deterministic is not None:
-            if not _is_bool(self.deterministic):
-                raise ValueError(
-                    "MQALatentAttentionConfig.deterministic must be True, False or None, got "
-                    f"{_short_repr(self.deterministic)}"
-                )
-            object.__setattr__(self, "deterministic", bool(self.deterministic))
-        if not _is_bool(self.use_attn_sink):
-            raise ValueError(
-                f"MQALatentAttentionConfig.use_attn_sink must be a bool, got {self.use_attn_sink!r}"
-            )
-        object.__setattr__(self, "use_attn_sink", bool(self.use_attn_sink))
+            self._refuse("qk_rope_head_dim", "even (rotary pairs)")
+        self._check_divisible("num_attention_heads", "tensor_parallel_degree")
+        self._check_shared_options()
 
     # --- derived sizes -----------------------------------------------------------------------
     @property
@@ -275,89 +413,6 @@ class MQALatentAttentionConfig:
     def kernel_dv(self) -> int:
         """Value width the kernel sees: ``kv_lora_rank`` (the latent, before W_UV)."""
         return self.kv_lora_rank
-
-    @property
-    def heads_per_rank(self) -> int:
-        return self.num_attention_heads // self.tensor_parallel_degree
-
-    # --- (de)serialisation -------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MQALatentAttentionConfig":
-        """Build from a mapping; unknown keys raise ``ValueError`` naming them (a typo in a
-        JSON file should not be silently ignored)."""
-        if not isinstance(data, Mapping):
-            raise TypeError(
-                f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}"
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"{cls.__name__}: unknown field(s) {unknown}; known fields: "
-                f"{sorted(known)}"
-            )
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in data
-        )
-        if missing:
-            raise ValueError(f"{cls.__name__}: missing required field(s) {missing}")
-        return cls(**dict(data))
-
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike, **overrides) -> "MQALatentAttentionConfig":
-        """Build from a JSON object file, fields overridable.
-
-        Raises:
-            OSError: the file cannot be read.
-            ValueError: the file is not UTF-8 text, not valid JSON (an integer of more than
-                Python's 4300 digits included) or not a JSON object, or gives a field twice, or
-                a field is unknown, missing or invalid; every message names the file.
-        """
-        return _from_file_data(cls, path, _read_json_object(path), overrides)
-
-    def to_json_file(self, path: str | os.PathLike) -> None:
-        """Write the config as a JSON object (``indent=2``) to ``path``, atomically.
-
-        The text is made first, then written to a temporary file in the same folder and moved
-        over ``path`` with ``os.replace``: a failed save (serialisation, full disk) leaves an
-        existing file as it was, and a reader never sees half a file.  An existing file keeps
-        its permission bits; a symlink keeps pointing where it did (its target is replaced).
-
-        Raises:
-            OSError: the folder cannot be written.
-        """
-        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        target = os.path.realpath(os.fspath(path))
-        folder, base = os.path.split(target)
-        tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
-        try:
-            # 0o666 less the umask, as open(path, "w") would give a new file
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
-            except FileNotFoundError:
-                pass
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-
-    def replace(self, **changes) -> "MQALatentAttentionConfig":
-        """A copy with some fields changed (validated again; an unknown field is a
-        ``ValueError`` naming it, as in :meth:`from_dict`)."""
-        return type(self).from_dict({**self.to_dict(), **changes})
 
     @classmethod
     def from_fleet_config(cls, config, **overrides) -> "MQALatentAttentionConfig":
@@ -468,7 +523,7 @@ def get_preset(name: str, **overrides):
     ``"deepseek_v4_flash"`` and ``"deepseek_v4_small"`` give a
     :class:`~.v4_config.DeepSeekV4AttentionConfig`), fields overridable."""
     if name in _v4().PRESETS:
-        return _v4().DeepSeekV4AttentionConfig.from_dict({**_v4().PRESETS[name], **overrides})
+        return _v4().get_preset(name, **overrides)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of "
                          f"{sorted(PRESETS) + sorted(_v4().PRESETS)}")

@@ -68,9 +68,18 @@ PaddleFleet config at all.
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from typing import Any
+
+from .config import (
+    _SIZE_EXPECTED,
+    _as_choice,
+    _as_float,
+    _as_positive_float,
+    _as_size,
+    _is_bool,
+    _short_repr,
+)
 
 __all__ = ["from_fleet_config", "FLEET_FIELDS"]
 
@@ -107,18 +116,25 @@ def _get(config, name: str):
     return _MISSING if value is None else value
 
 
+def _refuse(field: str, expected: str, value):
+    raise ValueError(f"PaddleFleet config field {field} must be {expected}, got "
+                     f"{_short_repr(value)}")
+
+
+# The rules are the config's own (config._as_size, _as_positive_float, _as_choice), checked here
+# already so that the message names the PaddleFleet field.
 def _positive_int(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"PaddleFleet config field {field} must be a positive int, got {value!r}")
-    return int(value)
+    as_int = _as_size(value)
+    if as_int is None:
+        _refuse(field, _SIZE_EXPECTED, value)
+    return as_int
 
 
 def _positive_float(value, field: str) -> float:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value <= 0):
-        raise ValueError(
-            f"PaddleFleet config field {field} must be a finite number > 0, got {value!r}")
-    return float(value)
+    as_float = _as_positive_float(value)
+    if as_float is None:
+        _refuse(field, "a finite number > 0", value)
+    return as_float
 
 
 def _optional(field: str, check):
@@ -130,10 +146,10 @@ def _optional(field: str, check):
 
 
 def _choice(value, field: str, choices) -> str:
-    if not (isinstance(value, str) and value in choices):
-        raise ValueError(
-            f"PaddleFleet config field {field} must be one of {tuple(choices)}, got {value!r}")
-    return str(value)
+    stored = _as_choice(value, tuple(choices))
+    if stored is None:
+        _refuse(field, f"one of {tuple(choices)}", value)
+    return stored
 
 
 def _size(config, name: str) -> tuple[int, str]:
@@ -164,11 +180,10 @@ def _yarn_mscale(config) -> float:
     if factor is _MISSING or mscale_all_dim is _MISSING:
         return 1.0
     factor = _positive_float(factor, "rotary_scaling_factor")
-    if (isinstance(mscale_all_dim, bool) or not isinstance(mscale_all_dim, numbers.Real)
-            or not math.isfinite(mscale_all_dim)):
-        raise ValueError(f"PaddleFleet config field mscale_all_dim must be a finite number, got "
-                         f"{mscale_all_dim!r}")
-    return 1.0 if factor <= 1 else 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
+    mscale = _as_float(mscale_all_dim)
+    if mscale is None or not math.isfinite(mscale):
+        _refuse("mscale_all_dim", "a finite number", mscale_all_dim)
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _use_attn_sink(config):
@@ -176,9 +191,10 @@ def _use_attn_sink(config):
     softmax_type = _get(config, "softmax_type")
     if full_bias is _MISSING and softmax_type is _MISSING:
         return _MISSING
-    if full_bias is not _MISSING and not isinstance(full_bias, bool):
-        raise ValueError(f"PaddleFleet config field add_full_attention_sink_bias must be a bool, "
-                         f"got {full_bias!r}")
+    if full_bias is not _MISSING:
+        if not _is_bool(full_bias):
+            _refuse("add_full_attention_sink_bias", "a bool", full_bias)
+        full_bias = bool(full_bias)
     if softmax_type is not _MISSING:
         softmax_type = _choice(softmax_type, "softmax_type", _SOFTMAX_TYPES)
     if full_bias is True:

@@ -34,6 +34,44 @@ def _positive_int(value, name: str) -> int:
     return int(value)
 
 
+def _seed_and_dtype(seed, dtype) -> None:
+    """The ``seed`` (an int >= 0: numpy's seeding takes non-negative ints only) and ``dtype``
+    (``"int32"`` / ``"int64"``) arguments of every helper here."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed}")
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
+    if dtype not in ("int32", "int64"):
+        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+
+
+def _uniform_picks(rng, B: int, visible, width: int, K: int):
+    """A uniform choice of ``K`` of each row's visible keys, chunk by chunk of rows: yields
+    ``(s0, s1, r, pick)`` for rows ``s0 .. s1 - 1``, with ``r [B, s1 - s0, width]`` the float32
+    uniforms drawn from ``rng`` and ``pick [B, s1 - s0, K]`` the keys of the ``K`` smallest
+    (in no order).  Keys ``0 .. width - 1``; row ``s`` sees those ``< visible[s]``.
+
+    One uniform per (row, key); keys a row may not see get 2.0 (> any uniform), so the ``K``
+    smallest are a uniform random subset of the visible keys, padded by hidden ones.  Rows are
+    drawn in chunks that bound the ``r`` block (``_ROW_BUDGET_ELEMS``); the draws do not depend
+    on the chunking."""
+    keys = np.arange(width)
+    S = len(visible)
+    step = max(1, _ROW_BUDGET_ELEMS // (B * width))
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        r = rng.random((B, s1 - s0, width), dtype=np.float32)
+        hidden = keys[None, None, :] >= visible[None, s0:s1, None]
+        r[np.broadcast_to(hidden, r.shape)] = 2.0
+        if K < width:
+            pick = np.argpartition(r, K - 1, axis=-1)[..., :K]
+        else:
+            pick = np.broadcast_to(keys, r.shape).copy()
+        yield s0, s1, r, pick
+
+
 def causal_topk_indices(
     batch: int,
     seq_len: int,
@@ -75,14 +113,7 @@ def causal_topk_indices(
             f"seq_len_kv: expected seq_len_kv >= seq_len={S} (queries are the last seq_len "
             f"positions), got {S_kv}"
         )
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
-    if seed < 0:  # numpy's seeding takes non-negative ints only
-        raise ValueError(f"seed: expected an int >= 0, got {seed}")
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
-    if dtype not in ("int32", "int64"):
-        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+    _seed_and_dtype(seed, dtype)
     if dtype == "int32" and S_kv > np.iinfo(np.int32).max:
         raise ValueError(f"seq_len_kv: expected at most {np.iinfo(np.int32).max} key rows for "
                          f"int32 indices, got {S_kv}")
@@ -92,23 +123,12 @@ def causal_topk_indices(
                          f"draws per query row is more than this helper makes "
                          f"({_MAX_ROW_ELEMS}); it is for tests and demos")
 
-    rng = np.random.default_rng(int(seed))
-    width = max(S_kv, L)
     out = np.empty((B, S, L), dtype=dtype)
-    keys = np.arange(width)
-    step = max(1, _ROW_BUDGET_ELEMS // (B * width))
-    for s0 in range(0, S, step):
-        s1 = min(S, s0 + step)
-        pos = S_kv - S + np.arange(s0, s1)  # absolute positions of these query rows
-        # One uniform key per (row, key); keys a row may not see get 2.0 (> any uniform), so
-        # the L smallest are a uniform random subset of the visible keys, then the invisible.
-        r = rng.random((B, s1 - s0, width), dtype=np.float32)
-        hidden = keys[None, None, :] > pos[None, :, None]
-        r[np.broadcast_to(hidden, r.shape)] = 2.0
-        if L < width:
-            pick = np.argpartition(r, L - 1, axis=-1)[..., :L]
-        else:
-            pick = np.broadcast_to(keys, r.shape).copy()
+    # row s sits at absolute position S_kv - S + s and sees the keys up to it
+    visible = S_kv - S + np.arange(S) + 1
+    for s0, s1, r, pick in _uniform_picks(np.random.default_rng(int(seed)), B, visible,
+                                          max(S_kv, L), L):
+        pos = visible[s0:s1] - 1  # absolute positions of these query rows
         # Order the picked keys by their random values: a uniformly random order, hidden last.
         order = np.argsort(np.take_along_axis(r, pick, axis=-1), axis=-1, kind="stable")
         pick = np.take_along_axis(pick, order, axis=-1)
@@ -184,14 +204,7 @@ def varlen_causal_topk_indices(
     """
     cu = check_cu_seqlens(cu_seqlens)
     L = _positive_int(topk, "topk")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed: expected an int >= 0, got {seed}")
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
-    if dtype not in ("int32", "int64"):
-        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
+    _seed_and_dtype(seed, dtype)
     S = int(cu[-1])
     if S < 1:
         raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] = S >= 1 packed rows, got {S}")
@@ -212,16 +225,6 @@ def varlen_causal_topk_indices(
 __all__.append("window_compressed_indices")
 # Largest index array window_compressed_indices makes (1 GiB of int32).
 _MAX_LAYOUT_ELEMS = 1 << 28
-
-def _seed_and_dtype(seed, dtype) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed: expected a Python int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed: expected an int >= 0, got {seed}")
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype: expected 'int32' or 'int64', got {type(dtype).__name__}")
-    if dtype not in ("int32", "int64"):
-        raise ValueError(f"dtype: expected 'int32' or 'int64', got {dtype!r}")
 
 
 def window_compressed_indices(
@@ -315,21 +318,8 @@ def window_compressed_indices(
         out[:, :, W:] = np.where(grp < visible[:, None], S + grp, -1)
         return out
 
-    rng = np.random.default_rng(int(seed))
     width = max(G, K)
-    groups = np.arange(width)
-    step = max(1, _ROW_BUDGET_ELEMS // (B * width))
-    for s0 in range(0, S, step):
-        s1 = min(S, s0 + step)
-        # One uniform per (row, group); hidden groups get 2.0 (> any uniform), so the K
-        # smallest are a uniform choice of visible groups, padded by hidden ones.
-        r = rng.random((B, s1 - s0, width), dtype=np.float32)
-        hidden = groups[None, None, :] >= visible[None, s0:s1, None]
-        r[np.broadcast_to(hidden, r.shape)] = 2.0
-        if K < width:
-            pick = np.argpartition(r, K - 1, axis=-1)[..., :K]
-        else:
-            pick = np.broadcast_to(groups, r.shape).copy()
+    for s0, s1, _, pick in _uniform_picks(np.random.default_rng(int(seed)), B, visible, width, K):
         # Ascending visible groups, then the hidden ones as -1.
         pick = np.sort(np.where(pick < visible[None, s0:s1, None], pick, width), axis=-1)
         out[:, s0:s1, W:] = np.where(pick < width, S + pick, -1)

@@ -70,6 +70,8 @@ an fp64 layer uses them in float64.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -96,6 +98,8 @@ __all__ = ["MQALatentAttention", "init_full_weights", "shard_of", "SHARD_AXIS", 
 SHARD_AXIS = {"wq_b": 1, "w_uk": 0, "w_uv": 0, "wo": 0, "attn_sink": 0}
 #: Parameters every rank holds whole.
 REPLICATED = ("wq_a", "q_norm_weight", "wkv_a", "kv_norm_weight")
+#: RMSNorm weights (replicated, initialised to 1).
+_NORMS = ("q_norm_weight", "kv_norm_weight")
 #: Parameter dtypes the layer runs in on CPU (Paddle 3.3's CPU matmul has no fp16/bf16 kernel).
 CPU_DTYPES = ("float32", "float64")
 
@@ -117,34 +121,39 @@ def _full_shapes(cfg: MQALatentAttentionConfig) -> dict:
     return shapes
 
 
-def _init_weights(cfg: MQALatentAttentionConfig, seed: int, head_lo: int, head_hi: int) -> dict:
-    """Weights for heads ``[head_lo, head_hi)``; replicated ones whole.
+def _draw_weights(cfg, shapes: dict, seed: int, rank: int, tp: int, *, norms, shard_axis,
+                  units) -> dict:
+    """Rank ``rank``'s weights (of ``tp`` ranks) of the parameters ``shapes`` (full shapes, in
+    a fixed order); the replicated ones whole, the ``norms`` ones 1.
 
-    Every per-rank parameter is drawn head by head from its own generator
-    ``(seed, parameter, head)``, so a rank draws only its heads and gets exactly its slice of
-    the full weights (no rank materialises the whole model).
+    A per-rank parameter ``name`` (split along ``shard_axis[name]`` into ``units[name]``
+    heads or head groups) is drawn unit by unit from its own generator ``(seed, parameter,
+    unit)``, so a rank draws only its units and every TP degree holds slices of the same full
+    weights (no rank materialises the whole model).  The sink is a logit, not a weight: unit
+    scale so it matters from step 0; the others take ``cfg.initializer_range``.
+
+    Raises:
+        ValueError: ``cfg.initializer_range`` so large that fp32 draws overflow.
     """
     std = cfg.initializer_range
-    H = cfg.num_attention_heads
-    shapes = _full_shapes(cfg)
     out = {}
     with np.errstate(over="ignore"):  # an overflowing std is reported below, by name
         for pid, (name, shape) in enumerate(shapes.items()):
-            if name in ("q_norm_weight", "kv_norm_weight"):
+            if name in norms:
                 out[name] = np.ones(shape, np.float32)
                 continue
-            if name not in SHARD_AXIS:
+            if name not in shard_axis:
                 draw = np.random.default_rng([seed, pid]).standard_normal(shape)
                 out[name] = (draw * std).astype(np.float32)
                 continue
-            axis = SHARD_AXIS[name]
+            axis = shard_axis[name]
             block = list(shape)
-            block[axis] //= H
-            # The sink is a logit, not a weight: unit scale so it matters from step 0.
+            block[axis] //= units[name]
+            per_rank = units[name] // tp
             scale = 1.0 if name == "attn_sink" else std
             blocks = [
-                np.random.default_rng([seed, pid, head]).standard_normal(block) * scale
-                for head in range(head_lo, head_hi)
+                np.random.default_rng([seed, pid, unit]).standard_normal(block) * scale
+                for unit in range(rank * per_rank, (rank + 1) * per_rank)
             ]
             out[name] = np.concatenate(blocks, axis=axis).astype(np.float32)
     for name, value in out.items():
@@ -156,13 +165,21 @@ def _init_weights(cfg: MQALatentAttentionConfig, seed: int, head_lo: int, head_h
     return out
 
 
+def _init_weights(cfg: MQALatentAttentionConfig, seed: int, rank: int, tp: int) -> dict:
+    """Rank ``rank``'s weights of ``tp`` ranks (:func:`_draw_weights`): per-rank parameters
+    drawn head by head."""
+    H = cfg.num_attention_heads
+    return _draw_weights(cfg, _full_shapes(cfg), seed, rank, tp, norms=_NORMS,
+                         shard_axis=SHARD_AXIS, units=dict.fromkeys(SHARD_AXIS, H))
+
+
 def init_full_weights(config: MQALatentAttentionConfig, seed: int = 0) -> dict:
     """The unsharded weights (numpy fp32, keyed by parameter name) a layer built with
     ``seed`` holds, all heads.  Shapes: ``wq_a [hidden, q_lora]``, ``q_norm_weight [q_lora]``,
     ``wq_b [q_lora, H*(nope+rope)]`` (head-major columns), ``wkv_a [hidden, kv_lora+rope]``,
     ``kv_norm_weight [kv_lora]``, ``w_uk [H, nope, kv_lora]``, ``w_uv [H, kv_lora, v_head]``,
     ``wo [H*v_head, hidden]`` (head-major rows), ``attn_sink [H]`` (with a sink)."""
-    return _init_weights(config, seed, 0, config.num_attention_heads)
+    return _init_weights(config, seed, 0, 1)
 
 
 def shard_of(name: str, full: np.ndarray, rank: int, world_size: int, axes=None) -> np.ndarray:
@@ -198,7 +215,270 @@ def _rope(x, positions, theta):
     return x * cos + rotated * sin
 
 
-class MQALatentAttention(paddle.nn.Layer):
+class _TensorParallelAttention(paddle.nn.Layer):
+    """What the attention layers (:class:`MQALatentAttention`, DeepSeek-V4's
+    :class:`~.v4_layer.DeepSeekV4Attention`) share: the tensor-parallel group, the weights
+    (built from ``_init_weights``, loaded whole by :meth:`load_full_weights`), the checks of
+    ``hidden_states`` (the CPU dtype rule included), packed-document positions, the ranks'
+    agreement on the input checks, and the sparse core (bf16 on CUDA, the two attention
+    partitions, the fp32 sink).  A subclass names its config class, its weights' builder and
+    split axes; this class reads from the config only fields both configs have
+    (``tensor_parallel_degree``, ``heads_per_rank``, ``use_attn_sink``, ``hidden_size``,
+    ``attention_partition``, ``sm_scale``, ``kernel_dv``, ``backward_backend``,
+    ``deterministic``)."""
+
+    # A subclass sets:
+    #   config_class: the config class the layer takes;
+    #   shard_axis: the split axis of every per-rank parameter (shard_of);
+    #   _init_weights: staticmethod (config, seed, rank, tp) -> {name: numpy fp32 weight},
+    #       this rank's weights (replicated ones whole).
+
+    def __init__(self, config, group=None, seed: int = 0):
+        super().__init__()
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"config: expected {self.config_class.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+        self.group = group if group is not None else default_tensor_parallel_group()
+        self.tp_size = group_world_size(self.group)
+        self.tp_rank = group_rank(self.group)
+        if self.tp_size != config.tensor_parallel_degree:
+            raise ValueError(
+                "config.tensor_parallel_degree must equal the tensor-parallel group size, got "
+                f"tensor_parallel_degree={config.tensor_parallel_degree} and a group of "
+                f"{self.tp_size} rank(s)"
+            )
+        self.num_local_heads = config.heads_per_rank
+        for name, value in self._init_weights(config, seed, self.tp_rank, self.tp_size).items():
+            dtype = "float32" if name == "attn_sink" else paddle.get_default_dtype()
+            # Zeros, then one copy of the values: Paddle's Assign initializer takes ~27 s for
+            # the 117M-element wo of the deepseek_v32 preset on CPU, this ~1 s.
+            param = self.create_parameter(
+                shape=list(value.shape),
+                dtype=dtype,
+                default_initializer=paddle.nn.initializer.Constant(0.0),
+            )
+            param.set_value(paddle.to_tensor(value).astype(param.dtype))
+            setattr(self, name, param)
+        if not config.use_attn_sink:
+            self.attn_sink = None
+
+    def load_full_weights(self, full: dict) -> None:
+        """Copy unsharded weights (numpy, :func:`init_full_weights` layout) into this rank's
+        parameters, slicing the per-rank ones.
+
+        Every key of ``full`` must be a parameter of this layer and every parameter must be
+        given: a weight this layer would drop (a trained ``attn_sink`` loaded into a
+        ``use_attn_sink=False`` layer, a misspelled name) is an error, not a silent loss.
+        Everything is checked before any parameter is written.
+
+        Raises:
+            ValueError: missing, unknown or unused keys (each named), or a slice whose shape
+                differs from its parameter's.
+        """
+        params = dict(self.named_parameters())
+        missing = [name for name in params if name not in full]
+        if missing:
+            raise ValueError(f"load_full_weights: missing weight(s) {missing}")
+        extra = sorted(map(str, set(full) - set(params)))
+        if extra:
+            sink = ("; attn_sink is a weight of layers with use_attn_sink=True, this one has "
+                    "none" if "attn_sink" in extra and not self.config.use_attn_sink else "")
+            raise ValueError(
+                f"load_full_weights: weight(s) {extra} are not parameters of this layer, which "
+                f"would drop them{sink} (parameters: {sorted(params)})"
+            )
+        values = {}
+        for name, param in params.items():
+            value = shard_of(name, full[name], self.tp_rank, self.tp_size, self.shard_axis)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
+                    f"expects {list(param.shape)}"
+                )
+            values[name] = value
+        for name, param in params.items():
+            # cast in Paddle to the parameter's dtype (numpy has no bf16: param.numpy() is
+            # uint16 there) without reading the parameter back to the host; an fp64 parameter
+            # takes the value in fp64 (not through fp32)
+            host = np.float64 if param.dtype == paddle.float64 else np.float32
+            param.set_value(paddle.to_tensor(np.asarray(values[name], dtype=host))
+                            .astype(param.dtype))
+
+    def _sink(self):
+        """The sink logits in fp32, the op's sink dtype (``layer.to(dtype=...)`` casts them
+        with the other parameters; the cast is differentiable), or ``None``."""
+        if self.attn_sink is None or self.attn_sink.dtype == paddle.float32:
+            return self.attn_sink
+        return self.attn_sink.astype("float32")
+
+    def _check_hidden_states(self, hidden_states, **tensors) -> tuple:
+        """``(B, S)`` of ``hidden_states [B, S, hidden_size]`` in the parameters' dtype;
+        ``tensors`` (by argument name) must be paddle Tensors too.  Errors are named after the
+        layer's own arguments and raised before any projection runs."""
+        c = self.config
+        for name, t in (("hidden_states", hidden_states), *tensors.items()):
+            if not isinstance(t, paddle.Tensor):
+                raise TypeError(f"{name}: expected a paddle.Tensor, got {type_name(t)}")
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
+            raise ValueError(
+                f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got shape "
+                f"{list(hidden_states.shape)}"
+            )
+        # The projections are matmuls with the parameters: their dtype is the only one that
+        # works (Paddle fails deep inside matmul otherwise).
+        want = self.wq_a.dtype
+        name_of = str(want).replace("paddle.", "")
+        if self.wq_a.place.is_cpu_place() and name_of not in CPU_DTYPES:
+            raise TypeError(
+                f"{type(self).__name__}: the layer's parameters are {name_of}, which does not "
+                f"run on CPU (Paddle's CPU matmul has no {name_of} kernel); on CPU the layer runs "
+                f"in {' or '.join(CPU_DTYPES)} (paddle.set_default_dtype before building it, or "
+                f"layer.to(dtype='float32')); {name_of} runs on CUDA"
+            )
+        if hidden_states.dtype != want:
+            raise TypeError(
+                f"hidden_states: expected dtype {name_of} (the layer's parameter dtype), got "
+                f"{str(hidden_states.dtype).replace('paddle.', '')}"
+            )
+        B, S, _ = hidden_states.shape
+        if B < 1 or S < 1:
+            raise ValueError(
+                f"hidden_states: expected B >= 1 and S >= 1 in [B, S, hidden_size], got shape "
+                f"{list(hidden_states.shape)}"
+            )
+        return B, S
+
+    def _packed_positions(self, hidden_states, cu_seqlens):
+        """``(cu_seqlens as a host int32 array, RoPE positions [S])``: positions count from 0
+        in every document."""
+        B, S, _ = hidden_states.shape
+        cu = check_cu_seqlens(cu_seqlens, S)
+        if B != 1:
+            raise ValueError(
+                f"hidden_states: packed documents (cu_seqlens) need B=1, all documents back to "
+                f"back in one row, got shape {list(hidden_states.shape)}"
+            )
+        starts = np.repeat(cu[:-1], np.diff(cu))  # first row of every row's document
+        return cu.astype(np.int32), np.arange(S) - starts
+
+    def _agree_before_exchange(self, error, dims) -> None:
+        """``attention_partition="sequence"``: every rank calls this exactly once per forward,
+        before the first exchange, with the error its input checks raised (or ``None``) and
+        its ``[B, S, L]`` (``None`` when the checks failed before they were known).  One small
+        all-reduce tells every rank which ranks failed and every rank's shape; then each rank
+        raises (its own error, or a ``ValueError`` naming the failing ranks, or one listing
+        differing shapes) or none does.  The inputs must be the same on every rank, but a
+        caller's bug that breaks them on some ranks must not leave the others waiting in the
+        all-to-all (gloo times out after ~30 s with an opaque error or aborts on the next
+        collective; NCCL waits on).  No-op on one rank."""
+        if self.tp_size == 1:
+            if error is not None:
+                raise error
+            return
+        info = np.zeros((self.tp_size, 4), np.int64)
+        info[self.tp_rank] = [error is not None, *(dims if dims is not None else (0, 0, 0))]
+        info_t = paddle.to_tensor(info)  # the default place: the rank's device for NCCL
+        dist.all_reduce(info_t, op=dist.ReduceOp.SUM, group=self.group)
+        info = info_t.numpy()
+        if error is not None:
+            raise error
+        failed = np.flatnonzero(info[:, 0]).tolist()
+        if failed:
+            raise ValueError(
+                f"{type(self).__name__} (attention_partition='sequence'): the input checks failed "
+                f"on rank(s) {failed} of the tensor-parallel group (the error is raised there); "
+                "hidden_states, token_indices and cu_seqlens must be the same on every rank"
+            )
+        if (info[:, 1:] != info[self.tp_rank, 1:]).any():
+            shapes = ", ".join(f"rank {r}: {row[1:].tolist()}" for r, row in enumerate(info))
+            raise ValueError(
+                "hidden_states, token_indices: expected the same [B, S, L] on every rank of the "
+                "tensor-parallel group (attention_partition='sequence' exchanges rows between "
+                f"them), got {shapes}"
+            )
+
+    @contextlib.contextmanager
+    def _inputs_checked_on_every_rank(self):
+        """Around a forward's input checks: with ``attention_partition="sequence"`` an error
+        raised inside is first handed to :meth:`_agree_before_exchange` (the ranks whose inputs
+        pass are on their way to the same agreement), then raised."""
+        try:
+            yield
+        except Exception as e:
+            if self.config.attention_partition == "sequence":
+                self._agree_before_exchange(e, None)
+            raise
+
+    def _sparse_core(self, query, kv, token_indices, cu_seqlens=None):
+        """The sparse attention of ``query [B, S, h, Dk]`` (this rank's heads) over ``kv``:
+        ``[B, S, h, Dv]`` in ``query``'s dtype.  On CUDA the op gets bf16 (the kernels' dtype);
+        ``config.attention_partition`` picks the heads path (the op on this rank's heads) or
+        :meth:`_sequence_partitioned_core`."""
+        c = self.config
+        compute_dtype = query.dtype
+        if query.place.is_gpu_place():  # the kernels take bf16
+            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
+        if c.attention_partition == "sequence":
+            o = self._sequence_partitioned_core(query, kv, token_indices, cu_seqlens)
+        else:
+            o = mqa_latent_sparse_attention(
+                query, kv, token_indices, c.sm_scale, self._sink(), c.backward_backend,
+                d_v=c.kernel_dv, cu_seqlens=cu_seqlens, deterministic=c.deterministic,
+            )
+        return o.astype(compute_dtype)
+
+    def _sequence_partitioned_core(self, query, kv, token_indices, cu_seqlens):
+        """The sparse core with ``attention_partition="sequence"``: ``query [B, S, h, Dk]``
+        (this rank's heads, every row, RoPE applied) -> ``o_lat [B, S, h, Dv]``, computed on
+        this rank as all ``H`` heads of rows ``r*R .. (r+1)*R - 1``, ``R = ceil(S / TP)``.
+
+        ``S`` is padded to ``R * TP`` with zero query rows whose indices are all ``-1``: such a
+        row has no key, so its output, ``lse`` contributions, ``dq``, ``dkv`` and ``d_sink``
+        terms are exactly 0 (docs/conventions.md, "Rows with no valid key"), and the pad is cut
+        off after the inverse exchange.  ``kv`` is whole on every rank; its gradient here covers
+        this rank's rows only and is summed over the group by ``copy_to_tensor_parallel``'s
+        backward all-reduce on ``kv`` (the one of the heads partition).  The sink shards are
+        gathered to ``[H]``; :class:`~.tp.GatherFromTensorParallel` sums their gradient over the
+        group and keeps this rank's slice.
+        """
+        c = self.config
+        tp, group = self.tp_size, self.group
+        B, S = query.shape[:2]
+        # Index values are checked here, on all S rows and on every rank, before any exchange:
+        # the op below sees this rank's rows only, and an error raised by some ranks alone
+        # would leave the others waiting in the inverse all-to-all.
+        error = None
+        try:
+            check_values(check_tensors(query, kv, token_indices, d_v=c.kernel_dv), token_indices)
+            if cu_seqlens is not None:
+                # The op's packed check needs its query rows to be the keys (S_kv = S); here
+                # they are a slice of them, so the check runs on the full indices instead.
+                check_indices_in_documents(token_indices, cu_seqlens)
+        except Exception as e:  # noqa: BLE001 (raised on every rank by the agreement)
+            error = e
+        self._agree_before_exchange(error, (B, S, int(token_indices.shape[-1])))
+        rows = -(-S // tp)
+        pad = rows * tp - S
+        if pad:  # zero rows after row S - 1 (pads from the first axis to the last)
+            query = F.pad(query, [0, 0, 0, pad, 0, 0, 0, 0])
+        q_rows = all_to_all(query, 1, 2, group)  # [B, rows, H, Dk]
+        lo, hi = min(self.tp_rank * rows, S), min((self.tp_rank + 1) * rows, S)
+        idx_rows = token_indices[:, lo:hi]
+        if hi - lo < rows:  # this rank holds pad rows: all slots empty (-1)
+            idx_rows = F.pad(idx_rows, [0, 0, 0, rows - (hi - lo), 0, 0], value=-1)
+        sink = self._sink()
+        sink = None if sink is None else gather_from_tensor_parallel(sink, group)
+        o_rows = mqa_latent_sparse_attention(
+            q_rows, kv, idx_rows, c.sm_scale, sink, c.backward_backend, d_v=c.kernel_dv,
+            deterministic=c.deterministic,
+        )
+        o_lat = all_to_all(o_rows, 2, 1, group)  # [B, rows * TP, h, Dv]
+        return o_lat[:, :S] if pad else o_lat
+
+
+class MQALatentAttention(_TensorParallelAttention):
     """DeepSeek-V3.2-style sparse MLA attention, heads split over a tensor-parallel group.
 
     Args:
@@ -252,38 +532,9 @@ class MQALatentAttention(paddle.nn.Layer):
             op's value checks; the message names the first bad row).
     """
 
-    def __init__(self, config: MQALatentAttentionConfig, group=None, seed: int = 0):
-        super().__init__()
-        if not isinstance(config, MQALatentAttentionConfig):
-            raise TypeError(
-                f"config: expected MQALatentAttentionConfig, got {type(config).__name__}"
-            )
-        self.config = config
-        self.group = group if group is not None else default_tensor_parallel_group()
-        self.tp_size = group_world_size(self.group)
-        self.tp_rank = group_rank(self.group)
-        if self.tp_size != config.tensor_parallel_degree:
-            raise ValueError(
-                "config.tensor_parallel_degree must equal the tensor-parallel group size, got "
-                f"tensor_parallel_degree={config.tensor_parallel_degree} and a group of "
-                f"{self.tp_size} rank(s)"
-            )
-        self.num_local_heads = config.heads_per_rank
-        lo = self.tp_rank * self.num_local_heads
-        weights = _init_weights(config, seed, lo, lo + self.num_local_heads)
-        for name, value in weights.items():
-            dtype = "float32" if name == "attn_sink" else paddle.get_default_dtype()
-            # Zeros, then one copy of the values: Paddle's Assign initializer takes ~27 s for
-            # the 117M-element wo of the deepseek_v32 preset on CPU, this ~1 s.
-            param = self.create_parameter(
-                shape=list(value.shape),
-                dtype=dtype,
-                default_initializer=paddle.nn.initializer.Constant(0.0),
-            )
-            param.set_value(paddle.to_tensor(value).astype(param.dtype))
-            setattr(self, name, param)
-        if not config.use_attn_sink:
-            self.attn_sink = None
+    config_class = MQALatentAttentionConfig
+    shard_axis = SHARD_AXIS
+    _init_weights = staticmethod(_init_weights)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -293,192 +544,13 @@ class MQALatentAttention(paddle.nn.Layer):
             f"v_head_dim={c.v_head_dim}, topk={c.index_topk}, sink={c.use_attn_sink}"
         )
 
-    def load_full_weights(self, full: dict) -> None:
-        """Copy unsharded weights (numpy, :func:`init_full_weights` layout) into this rank's
-        parameters, slicing the per-rank ones.
-
-        Every key of ``full`` must be a parameter of this layer and every parameter must be
-        given: a weight this layer would drop (a trained ``attn_sink`` loaded into a
-        ``use_attn_sink=False`` layer, a misspelled name) is an error, not a silent loss.
-        Everything is checked before any parameter is written.
-
-        Raises:
-            ValueError: missing, unknown or unused keys (each named), or a slice whose shape
-                differs from its parameter's.
-        """
-        params = dict(self.named_parameters())
-        missing = [name for name in params if name not in full]
-        if missing:
-            raise ValueError(f"load_full_weights: missing weight(s) {missing}")
-        extra = sorted(map(str, set(full) - set(params)))
-        if extra:
-            sink = ("; attn_sink is a weight of layers with use_attn_sink=True, this one has "
-                    "none" if "attn_sink" in extra and not self.config.use_attn_sink else "")
-            raise ValueError(
-                f"load_full_weights: weight(s) {extra} are not parameters of this layer, which "
-                f"would drop them{sink} (parameters: {sorted(params)})"
-            )
-        values = {}
-        for name, param in params.items():
-            # (a layer class with other per-rank parameters names them in shard_axis)
-            value = shard_of(name, full[name], self.tp_rank, self.tp_size,
-                             getattr(self, "shard_axis", SHARD_AXIS))
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
-                    f"expects {list(param.shape)}"
-                )
-            values[name] = value
-        for name, param in params.items():
-            # cast in Paddle to the parameter's dtype (numpy has no bf16: param.numpy() is
-            # uint16 there) without reading the parameter back to the host; an fp64 parameter
-            # takes the value in fp64 (not through fp32)
-            host = np.float64 if param.dtype == paddle.float64 else np.float32
-            param.set_value(paddle.to_tensor(np.asarray(values[name], dtype=host))
-                            .astype(param.dtype))
-
-    def _sink(self):
-        """The sink logits in fp32, the op's sink dtype (``layer.to(dtype=...)`` casts them
-        with the other parameters; the cast is differentiable), or ``None``."""
-        if self.attn_sink is None or self.attn_sink.dtype == paddle.float32:
-            return self.attn_sink
-        return self.attn_sink.astype("float32")
-
     def _check_forward_inputs(self, hidden_states, token_indices) -> None:
-        """Errors named after the layer's own arguments, before any projection runs."""
-        c = self.config
-        for name, t in (("hidden_states", hidden_states), ("token_indices", token_indices)):
-            if not isinstance(t, paddle.Tensor):
-                raise TypeError(f"{name}: expected a paddle.Tensor, got {type_name(t)}")
-        if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
-            raise ValueError(
-                f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got shape "
-                f"{list(hidden_states.shape)}"
-            )
-        # The projections are matmuls with the parameters: their dtype is the only one that
-        # works (Paddle fails deep inside matmul otherwise).
-        want = self.wq_a.dtype
-        name_of = str(want).replace("paddle.", "")
-        if self.wq_a.place.is_cpu_place() and name_of not in CPU_DTYPES:
-            raise TypeError(
-                f"MQALatentAttention: the layer's parameters are {name_of}, which does not run "
-                f"on CPU (Paddle's CPU matmul has no {name_of} kernel); on CPU the layer runs in "
-                f"{' or '.join(CPU_DTYPES)} (paddle.set_default_dtype before building it, or "
-                f"layer.to(dtype='float32')); {name_of} runs on CUDA"
-            )
-        if hidden_states.dtype != want:
-            raise TypeError(
-                f"hidden_states: expected dtype {str(want).replace('paddle.', '')} (the layer's "
-                f"parameter dtype), got {str(hidden_states.dtype).replace('paddle.', '')}"
-            )
-        B, S, _ = hidden_states.shape
-        if B < 1 or S < 1:
-            raise ValueError(
-                f"hidden_states: expected B >= 1 and S >= 1 in [B, S, hidden_size], got shape "
-                f"{list(hidden_states.shape)}"
-            )
+        B, S = self._check_hidden_states(hidden_states, token_indices=token_indices)
         if token_indices.ndim != 3 or list(token_indices.shape[:2]) != [B, S]:
             raise ValueError(
                 f"token_indices: expected [B, S, L] with B={B} and S={S} (from hidden_states), "
                 f"got shape {list(token_indices.shape)}"
             )
-
-    def _packed_positions(self, hidden_states, cu_seqlens):
-        """``(cu_seqlens as a host int32 array, RoPE positions [S])``: positions count from 0
-        in every document."""
-        B, S, _ = hidden_states.shape
-        cu = check_cu_seqlens(cu_seqlens, S)
-        if B != 1:
-            raise ValueError(
-                f"hidden_states: packed documents (cu_seqlens) need B=1, all documents back to "
-                f"back in one row, got shape {list(hidden_states.shape)}"
-            )
-        starts = np.repeat(cu[:-1], np.diff(cu))  # first row of every row's document
-        return cu.astype(np.int32), np.arange(S) - starts
-
-    def _agree_before_exchange(self, error, dims) -> None:
-        """``attention_partition="sequence"``: every rank calls this exactly once per forward,
-        before the first exchange, with the error its input checks raised (or ``None``) and
-        its ``[B, S, L]`` (``None`` when the checks failed before they were known).  One small
-        all-reduce tells every rank which ranks failed and every rank's shape; then each rank
-        raises (its own error, or a ``ValueError`` naming the failing ranks, or one listing
-        differing shapes) or none does.  The inputs must be the same on every rank, but a
-        caller's bug that breaks them on some ranks must not leave the others waiting in the
-        all-to-all (gloo times out after ~30 s with an opaque error or aborts on the next
-        collective; NCCL waits on).  No-op on one rank."""
-        if self.tp_size == 1:
-            if error is not None:
-                raise error
-            return
-        info = np.zeros((self.tp_size, 4), np.int64)
-        info[self.tp_rank] = [error is not None, *(dims if dims is not None else (0, 0, 0))]
-        info_t = paddle.to_tensor(info)  # the default place: the rank's device for NCCL
-        dist.all_reduce(info_t, op=dist.ReduceOp.SUM, group=self.group)
-        info = info_t.numpy()
-        if error is not None:
-            raise error
-        failed = np.flatnonzero(info[:, 0]).tolist()
-        if failed:
-            raise ValueError(
-                f"{type(self).__name__} (attention_partition='sequence'): the input checks failed "
-                f"on rank(s) {failed} of the tensor-parallel group (the error is raised there); "
-                "hidden_states, token_indices and cu_seqlens must be the same on every rank"
-            )
-        if (info[:, 1:] != info[self.tp_rank, 1:]).any():
-            shapes = ", ".join(f"rank {r}: {row[1:].tolist()}" for r, row in enumerate(info))
-            raise ValueError(
-                "hidden_states, token_indices: expected the same [B, S, L] on every rank of the "
-                "tensor-parallel group (attention_partition='sequence' exchanges rows between "
-                f"them), got {shapes}"
-            )
-
-    def _sequence_partitioned_core(self, query, kv, token_indices, cu_seqlens):
-        """The sparse core with ``attention_partition="sequence"``: ``query [B, S, h, Dk]``
-        (this rank's heads, every row, RoPE applied) -> ``o_lat [B, S, h, Dv]``, computed on
-        this rank as all ``H`` heads of rows ``r*R .. (r+1)*R - 1``, ``R = ceil(S / TP)``.
-
-        ``S`` is padded to ``R * TP`` with zero query rows whose indices are all ``-1``: such a
-        row has no key, so its output, ``lse`` contributions, ``dq``, ``dkv`` and ``d_sink``
-        terms are exactly 0 (docs/conventions.md, "Rows with no valid key"), and the pad is cut
-        off after the inverse exchange.  ``kv`` is whole on every rank; its gradient here covers
-        this rank's rows only and is summed over the group by ``copy_to_tensor_parallel``'s
-        backward all-reduce on ``kv`` (the one of the heads partition).  The sink shards are
-        gathered to ``[H]``; :class:`~.tp.GatherFromTensorParallel` sums their gradient over the
-        group and keeps this rank's slice.
-        """
-        c = self.config
-        tp, group = self.tp_size, self.group
-        B, S = query.shape[:2]
-        # Index values are checked here, on all S rows and on every rank, before any exchange:
-        # the op below sees this rank's rows only, and an error raised by some ranks alone
-        # would leave the others waiting in the inverse all-to-all.
-        error = None
-        try:
-            check_values(check_tensors(query, kv, token_indices, d_v=c.kernel_dv), token_indices)
-            if cu_seqlens is not None:
-                # The op's packed check needs its query rows to be the keys (S_kv = S); here
-                # they are a slice of them, so the check runs on the full indices instead.
-                check_indices_in_documents(token_indices, cu_seqlens)
-        except Exception as e:  # noqa: BLE001 (raised on every rank by the agreement)
-            error = e
-        self._agree_before_exchange(error, (B, S, int(token_indices.shape[-1])))
-        rows = -(-S // tp)
-        pad = rows * tp - S
-        if pad:  # zero rows after row S - 1 (pads from the first axis to the last)
-            query = F.pad(query, [0, 0, 0, pad, 0, 0, 0, 0])
-        q_rows = all_to_all(query, 1, 2, group)  # [B, rows, H, Dk]
-        lo, hi = min(self.tp_rank * rows, S), min((self.tp_rank + 1) * rows, S)
-        idx_rows = token_indices[:, lo:hi]
-        if hi - lo < rows:  # this rank holds pad rows: all slots empty (-1)
-            idx_rows = F.pad(idx_rows, [0, 0, 0, rows - (hi - lo), 0, 0], value=-1)
-        sink = self._sink()
-        sink = None if sink is None else gather_from_tensor_parallel(sink, group)
-        o_rows = mqa_latent_sparse_attention(
-            q_rows, kv, idx_rows, c.sm_scale, sink, c.backward_backend, d_v=c.kernel_dv,
-            deterministic=c.deterministic,
-        )
-        o_lat = all_to_all(o_rows, 2, 1, group)  # [B, rows * TP, h, Dv]
-        return o_lat[:, :S] if pad else o_lat
 
     def forward(
         self,
@@ -487,7 +559,7 @@ class MQALatentAttention(paddle.nn.Layer):
         cu_seqlens=None,
     ) -> paddle.Tensor:
         c = self.config
-        try:
+        with self._inputs_checked_on_every_rank():
             self._check_forward_inputs(hidden_states, token_indices)
             B, S, _ = hidden_states.shape
             if cu_seqlens is None:
@@ -495,11 +567,6 @@ class MQALatentAttention(paddle.nn.Layer):
             else:
                 # Read to the host once; the op gets the host copy (no second device read).
                 cu_seqlens, positions = self._packed_positions(hidden_states, cu_seqlens)
-        except Exception as e:
-            if c.attention_partition == "sequence":
-                # the ranks whose inputs pass are on their way to the same agreement
-                self._agree_before_exchange(e, None)
-            raise
         h, nope, rope = self.num_local_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
 
         # Query path: replicated down-projection, then this rank's heads.
@@ -519,18 +586,7 @@ class MQALatentAttention(paddle.nn.Layer):
         )
         kv = copy_to_tensor_parallel(kv, self.group)
 
-        compute_dtype = query.dtype
-        on_cuda = hidden_states.place.is_gpu_place()
-        if on_cuda:  # the kernels take bf16
-            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
-        if c.attention_partition == "sequence":
-            o_lat = self._sequence_partitioned_core(query, kv, token_indices, cu_seqlens)
-        else:
-            o_lat = mqa_latent_sparse_attention(
-                query, kv, token_indices, c.sm_scale, self._sink(), c.backward_backend,
-                d_v=c.kernel_dv, cu_seqlens=cu_seqlens, deterministic=c.deterministic,
-            )
-        o_lat = o_lat.astype(compute_dtype)
+        o_lat = self._sparse_core(query, kv, token_indices, cu_seqlens)
 
         o = paddle.einsum("bshc,hcv->bshv", o_lat, self.w_uv)  # W_UV after the attention
         y = paddle.matmul(o.reshape([B, S, h * c.v_head_dim]), self.wo)

@@ -21,10 +21,8 @@ field raises ``ValueError`` naming the field when the config is built.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from .checks import check_sm_scale
-from .config import ATTENTION_PARTITIONS, BACKWARD_BACKENDS, MQALatentAttentionConfig
+from .config import _AttentionConfig
 
 __all__ = ["DeepSeekV4AttentionConfig", "COMPRESS_RATIOS", "PRESETS", "get_preset"]
 
@@ -36,12 +34,8 @@ _POSITIVE_INT_FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "he
                         "tensor_parallel_degree")
 
 
-def _is_int(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int)
-
-
 @dataclasses.dataclass(frozen=True)
-class DeepSeekV4AttentionConfig:
+class DeepSeekV4AttentionConfig(_AttentionConfig):
     """Sizes and options of one DeepSeek-V4 sparse attention block.
 
     Attributes:
@@ -71,8 +65,15 @@ class DeepSeekV4AttentionConfig:
         compress_rope_theta: RoPE base of a layer with compression, for q, kv and the
             compressed kv alike (V4: 160000; miles ``deepseek_v4.py`` picks the layer's base by
             its ``compress_ratio``).
-        rms_norm_eps: epsilon of every RMSNorm.
-        initializer_range: standard deviation of the random weight initialisation.
+        rms_norm_eps: epsilon of every RMSNorm; in float32's normal range ``[1.18e-38,
+            3.4e38]``, as for the V3.2 block.
+        initializer_range: standard deviation of the random (fp32) weight initialisation; in
+            float32's normal range.
+
+    The fields are checked as the V3.2 block's are (``MQALatentAttentionConfig``): sizes are
+    ints in ``[1, 2**31 - 1]``; numbers may be given as numpy scalars and are stored as Python
+    ``int`` / ``float`` / ``bool``; a bad field raises ``ValueError`` naming
+    ``DeepSeekV4AttentionConfig.<field>``.
     """
 
     hidden_size: int
@@ -96,59 +97,26 @@ class DeepSeekV4AttentionConfig:
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
 
-    def _fail(self, name: str, expected: str):
-        raise ValueError(f"{type(self).__name__}.{name} must be {expected}, got "
-                         f"{getattr(self, name)!r}")
-
     def __post_init__(self):
-        for name in _POSITIVE_INT_FIELDS:
-            value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                self._fail(name, "a positive int")
+        # the V3.2 config's field checks (config._AttentionConfig), with its messages
+        self._check_sizes(*_POSITIVE_INT_FIELDS)
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
-            self._fail("qk_rope_head_dim", f"even (rotary pairs) and at most head_dim="
-                                           f"{self.head_dim}")
-        H, G, tp = self.num_attention_heads, self.o_groups, self.tensor_parallel_degree
-        if H % G:
-            self._fail("o_groups", f"a divisor of num_attention_heads={H}")
-        if G % tp:
-            raise ValueError(
-                f"{type(self).__name__}.o_groups must be divisible by tensor_parallel_degree "
-                f"(each rank holds whole head groups), got o_groups={G} and "
-                f"tensor_parallel_degree={tp}")
-        ratio = self.compress_ratio
-        if ratio is not None and not (_is_int(ratio) and ratio in COMPRESS_RATIOS):
-            self._fail("compress_ratio", f"one of {list(COMPRESS_RATIOS)}")
-        if ratio == 4:
-            if not _is_int(self.compressed_topk) or self.compressed_topk <= 0:
-                self._fail("compressed_topk", "a positive int with compress_ratio=4 (the "
-                                              "indexer's top-k)")
+            self._refuse("qk_rope_head_dim", f"even (rotary pairs) and at most head_dim="
+                                             f"{self.head_dim}")
+        if self.num_attention_heads % self.o_groups:
+            self._refuse("o_groups", f"a divisor of num_attention_heads={self.num_attention_heads}")
+        self._check_divisible("o_groups", "tensor_parallel_degree",
+                              " (each rank holds whole head groups)")
+        self._check_choice("compress_ratio", COMPRESS_RATIOS[1:], optional=True,
+                           expected=f"one of {list(COMPRESS_RATIOS)}")
+        if self.compress_ratio == 4:
+            self._check_sizes("compressed_topk",
+                              qualifier=" with compress_ratio=4, the indexer's top-k")
         elif self.compressed_topk is not None:
-            self._fail("compressed_topk", f"None with compress_ratio={ratio!r} (only ratio-4 "
-                                          f"layers pick their compressed keys)")
-        backend = self.backward_backend
-        if backend is not None and not (isinstance(backend, str) and backend in BACKWARD_BACKENDS):
-            self._fail("backward_backend", f"one of {BACKWARD_BACKENDS} or None")
-        partition = self.attention_partition
-        if not (isinstance(partition, str) and partition in ATTENTION_PARTITIONS):
-            self._fail("attention_partition", f"one of {ATTENTION_PARTITIONS}")
-        if backend is not None:  # str subclasses (numpy strings) stored as the plain str
-            object.__setattr__(self, "backward_backend", str.__str__(backend))
-        object.__setattr__(self, "attention_partition", str.__str__(partition))
-        if self.softmax_scale is not None:
-            try:
-                check_sm_scale(self.softmax_scale)
-            except (TypeError, ValueError):
-                self._fail("softmax_scale", "None or a finite number > 0 (also in float32)")
-        for name in ("rope_theta", "compress_rope_theta", "rms_norm_eps", "initializer_range"):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value <= 0):
-                self._fail(name, "a finite positive number")
-        if not isinstance(self.use_attn_sink, bool):
-            self._fail("use_attn_sink", "a bool")
-        if self.deterministic is not None and not isinstance(self.deterministic, bool):
-            self._fail("deterministic", "True, False or None")
+            self._refuse("compressed_topk", f"None with compress_ratio={self.compress_ratio!r} "
+                                            "(only ratio-4 layers pick their compressed keys)")
+        self._check_shared_options()
+        self._check_float("compress_rope_theta", "positive")
 
     # --- derived sizes -----------------------------------------------------------------------
     @property
@@ -166,10 +134,6 @@ class DeepSeekV4AttentionConfig:
     def kernel_dv(self) -> int:
         """Value width the kernel sees: ``head_dim`` (the whole kv row)."""
         return self.head_dim
-
-    @property
-    def heads_per_rank(self) -> int:
-        return self.num_attention_heads // self.tensor_parallel_degree
 
     @property
     def groups_per_rank(self) -> int:
@@ -193,15 +157,6 @@ class DeepSeekV4AttentionConfig:
         if self.compressed_topk is not None:
             return self.window_size + self.compressed_topk
         return self.window_size + seq_len // self.compress_ratio
-
-    # --- (de)serialisation: the V3.2 config's, which name the class they build ----------------
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    from_dict = classmethod(MQALatentAttentionConfig.from_dict.__func__)
-    from_json_file = classmethod(MQALatentAttentionConfig.from_json_file.__func__)
-    to_json_file = MQALatentAttentionConfig.to_json_file
-    replace = MQALatentAttentionConfig.replace
 
 
 #: DeepSeek-V4-Flash's attention sizes (miles ``ARCHITECTURE.md`` and the asserts of

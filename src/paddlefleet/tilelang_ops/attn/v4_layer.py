@@ -51,7 +51,11 @@ the same rotation after a fixed permutation of the rope columns of ``wq_b``, ``w
 compressor's ``wkv_c``, undone by the inverse RoPE before ``wo_a``), no YaRN scaling, no FP8
 quantisation-aware steps, and no indexer.
 
-Parameters are created in Paddle's default dtype (fp32); ``attn_sink`` is always fp32.
+Parameters are created in Paddle's default dtype (fp32); ``attn_sink`` is always fp32.  The
+dtype rules are the V3.2 layer's (they share ``layer._TensorParallelAttention``): on CPU the
+layer runs in float32 or float64 only (``layer.CPU_DTYPES``; a float16/bfloat16 layer raises a
+``TypeError`` saying so at its first forward), and an fp64 layer computes its RoPE tables in
+float64.
 """
 
 from __future__ import annotations
@@ -64,15 +68,8 @@ import paddle.nn.functional as F
 from .adapter import type_name
 from .indices import window_compressed_indices
 from . import layer
-from .layer import MQALatentAttention, _rms_norm, _rope
-from .op import mqa_latent_sparse_attention
-from .tp import (
-    copy_to_tensor_parallel,
-    default_tensor_parallel_group,
-    group_rank,
-    group_world_size,
-    reduce_from_tensor_parallel,
-)
+from .layer import _rms_norm, _rope
+from .tp import copy_to_tensor_parallel, reduce_from_tensor_parallel
 from .v4_config import DeepSeekV4AttentionConfig
 
 __all__ = ["DeepSeekV4Attention", "init_full_weights", "shard_of", "random_compressed_picks",
@@ -106,29 +103,13 @@ def _full_shapes(cfg: DeepSeekV4AttentionConfig) -> dict:
 
 
 def _init_weights(cfg: DeepSeekV4AttentionConfig, seed: int, rank: int, tp: int) -> dict:
-    """This rank's weights (``tp`` ranks); replicated ones whole.  A sharded parameter is drawn
-    unit by unit (head or group) from its own generator ``(seed, parameter, unit)``, so every
-    TP degree holds slices of the same full weights; the norms' weights start at 1."""
-    std = cfg.initializer_range
-    out = {}
-    for pid, (name, shape) in enumerate(_full_shapes(cfg).items()):
-        if name in _NORMS:
-            out[name] = np.ones(shape, np.float32)
-        elif name not in SHARD_AXIS:
-            out[name] = (np.random.default_rng([seed, pid]).standard_normal(shape) * std
-                         ).astype(np.float32)
-        else:
-            axis = SHARD_AXIS[name]
-            units = cfg.num_attention_heads if SHARD_UNIT[name] == "heads" else cfg.o_groups
-            block = list(shape)
-            block[axis] //= units
-            per_rank = units // tp
-            # The sink is a logit, not a weight: unit scale so it matters from step 0.
-            scale = 1.0 if name == "attn_sink" else std
-            blocks = [np.random.default_rng([seed, pid, u]).standard_normal(block) * scale
-                      for u in range(rank * per_rank, (rank + 1) * per_rank)]
-            out[name] = np.concatenate(blocks, axis=axis).astype(np.float32)
-    return out
+    """This rank's weights (``tp`` ranks; ``layer._draw_weights``): a sharded parameter drawn
+    unit by unit (head or head group, :data:`SHARD_UNIT`), so every TP degree holds slices of
+    the same full weights; the norms' weights start at 1."""
+    units = {name: cfg.num_attention_heads if unit == "heads" else cfg.o_groups
+             for name, unit in SHARD_UNIT.items()}
+    return layer._draw_weights(cfg, _full_shapes(cfg), seed, rank, tp, norms=_NORMS,
+                               shard_axis=SHARD_AXIS, units=units)
 
 
 def init_full_weights(config: DeepSeekV4AttentionConfig, seed: int = 0) -> dict:
@@ -235,7 +216,7 @@ def _overlap(t, D: int, fill: float):
     return paddle.concat([prev, t[..., D:]], axis=2)
 
 
-class DeepSeekV4Attention(paddle.nn.Layer):
+class DeepSeekV4Attention(layer._TensorParallelAttention):
     """DeepSeek-V4 sparse attention (module docstring), heads split over a tensor-parallel
     group.
 
@@ -259,39 +240,22 @@ class DeepSeekV4Attention(paddle.nn.Layer):
 
     Raises:
         TypeError: ``config`` not a V4 config; (forward) ``hidden_states`` not a paddle.Tensor
-            in the parameters' dtype; ``compressed_indices`` not an int tensor/array.
-        ValueError: the group size differs from ``config.tensor_parallel_degree``; (forward)
+            in the parameters' dtype; a float16/bfloat16 layer on CPU (named, with
+            ``layer.CPU_DTYPES``); ``compressed_indices`` not an int tensor/array.
+        ValueError: the group size differs from ``config.tensor_parallel_degree``;
+            ``config.initializer_range`` so large that fp32 weights overflow; (forward)
             bad shapes, ``compressed_indices`` given to a layer without picks or missing from a
             ratio-4 layer, a pick out of ``[-1, groups)``, or bad ``cu_seqlens`` / ``B != 1``
             with it.  With ``"sequence"`` every rank raises alike (the V3.2 layer's agreement).
     """
 
+    config_class = DeepSeekV4AttentionConfig
     shard_axis = SHARD_AXIS
+    _init_weights = staticmethod(_init_weights)
 
     def __init__(self, config: DeepSeekV4AttentionConfig, group=None, seed: int = 0):
-        super().__init__()
-        if not isinstance(config, DeepSeekV4AttentionConfig):
-            raise TypeError(f"config: expected DeepSeekV4AttentionConfig, got "
-                            f"{type(config).__name__}")
-        self.config = config
-        self.group = group if group is not None else default_tensor_parallel_group()
-        self.tp_size = group_world_size(self.group)
-        self.tp_rank = group_rank(self.group)
-        if self.tp_size != config.tensor_parallel_degree:
-            raise ValueError(
-                "config.tensor_parallel_degree must equal the tensor-parallel group size, got "
-                f"tensor_parallel_degree={config.tensor_parallel_degree} and a group of "
-                f"{self.tp_size} rank(s)")
-        self.num_local_heads = config.heads_per_rank
+        super().__init__(config, group, seed)
         self.num_local_groups = config.groups_per_rank
-        for name, value in _init_weights(config, seed, self.tp_rank, self.tp_size).items():
-            dtype = "float32" if name == "attn_sink" else paddle.get_default_dtype()
-            param = self.create_parameter(shape=list(value.shape), dtype=dtype,
-                                          default_initializer=paddle.nn.initializer.Constant(0.0))
-            param.set_value(paddle.to_tensor(value).astype(param.dtype))
-            setattr(self, name, param)
-        if not config.use_attn_sink:
-            self.attn_sink = None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -300,33 +264,9 @@ class DeepSeekV4Attention(paddle.nn.Layer):
                 f"D={c.head_dim}, window={c.window_size}, compress_ratio={c.compress_ratio}, "
                 f"compressed_topk={c.compressed_topk}, sink={c.use_attn_sink}")
 
-    # The V3.2 layer's: full weights in (split by shard_axis), cu_seqlens -> RoPE positions,
-    # the ranks' agreement and the sequence-partitioned core (they read only
-    # config.sm_scale/kernel_dv/backward_backend/deterministic, the group and attn_sink, which this layer has
-    # alike).
-    load_full_weights = MQALatentAttention.load_full_weights
-    _sink = MQALatentAttention._sink
-    _packed_positions = MQALatentAttention._packed_positions
-    _agree_before_exchange = MQALatentAttention._agree_before_exchange
-    _sequence_partitioned_core = MQALatentAttention._sequence_partitioned_core
-
     def _check_forward_inputs(self, hidden_states, compressed_indices):
         c = self.config
-        if not isinstance(hidden_states, paddle.Tensor):
-            raise TypeError(f"hidden_states: expected a paddle.Tensor, got "
-                            f"{type_name(hidden_states)}")
-        if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
-            raise ValueError(f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got "
-                             f"shape {list(hidden_states.shape)}")
-        if hidden_states.dtype != self.wq_a.dtype:
-            raise TypeError(f"hidden_states: expected dtype "
-                            f"{str(self.wq_a.dtype).replace('paddle.', '')} (the layer's "
-                            f"parameter dtype), got "
-                            f"{str(hidden_states.dtype).replace('paddle.', '')}")
-        B, S, _ = hidden_states.shape
-        if B < 1 or S < 1:
-            raise ValueError(f"hidden_states: expected B >= 1 and S >= 1, got shape "
-                             f"{list(hidden_states.shape)}")
+        B, S = self._check_hidden_states(hidden_states)
         if c.compressed_topk is None and compressed_indices is not None:
             kind = "window-only" if c.compress_ratio is None else "ratio-128"
             raise ValueError(f"compressed_indices: expected None for a {kind} layer (its keys "
@@ -362,7 +302,7 @@ class DeepSeekV4Attention(paddle.nn.Layer):
 
     def forward(self, hidden_states, compressed_indices=None, cu_seqlens=None):
         c = self.config
-        try:
+        with self._inputs_checked_on_every_rank():
             B, S = self._check_forward_inputs(hidden_states, compressed_indices)
             if cu_seqlens is None:
                 cu, positions = None, np.arange(S)
@@ -371,10 +311,6 @@ class DeepSeekV4Attention(paddle.nn.Layer):
             picks = (None if compressed_indices is None
                      else _picks_on_host(compressed_indices, B, S))
             indices = paddle.to_tensor(_key_indices(c, B, S, cu, picks))
-        except Exception as e:
-            if c.attention_partition == "sequence":
-                self._agree_before_exchange(e, None)  # the other ranks are on their way there
-            raise
         D, r, h, eps = c.head_dim, c.qk_rope_head_dim, self.num_local_heads, c.rms_norm_eps
         theta = c.layer_rope_theta
 
@@ -391,16 +327,9 @@ class DeepSeekV4Attention(paddle.nn.Layer):
                 kv = paddle.concat([kv, kv_c], axis=1)
         kv = copy_to_tensor_parallel(kv, self.group)
 
-        compute_dtype = query.dtype
-        if hidden_states.place.is_gpu_place():  # the kernels take bf16
-            query, kv = query.astype("bfloat16"), kv.astype("bfloat16")
-        if c.attention_partition == "sequence":
-            o = self._sequence_partitioned_core(query, kv, indices, None)
-        else:
-            o = mqa_latent_sparse_attention(query, kv, indices, c.sm_scale, self._sink(),
-                                            c.backward_backend, d_v=D,
-                                            deterministic=c.deterministic)
-        o = _rope_tail(o.astype(compute_dtype), -positions, theta, r)  # inverse RoPE
+        # the key sets are per document already: the op needs no cu_seqlens
+        o = self._sparse_core(query, kv, indices)
+        o = _rope_tail(o, -positions, theta, r)  # inverse RoPE
 
         g = self.num_local_groups
         o = paddle.einsum("bsgd,grd->bsgr", o.reshape([B, S, g, -1]), self.wo_a)
