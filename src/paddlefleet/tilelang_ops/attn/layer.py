@@ -78,7 +78,7 @@ import paddle.nn.functional as F
 from .adapter import type_name
 from .checks import check_cu_seqlens, check_indices_in_documents, check_tensors, check_values
 from .config import MQALatentAttentionConfig
-from .op import mqa_latent_sparse_attention
+from .op import index_tensor, mqa_latent_sparse_attention
 from .tp import (
     all_to_all,
     copy_to_tensor_parallel,
@@ -219,7 +219,9 @@ class MQALatentAttention(paddle.nn.Layer):
         hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
             dtype when the layer was built, fp32 normally).
         token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
-            (``L`` is usually ``config.index_topk``; causality is carried by the indices).
+            (``L`` is usually ``config.index_topk``; causality is carried by the indices); a
+            paddle.Tensor or a numpy int32/int64 array (as ``indices.causal_topk_indices``
+            returns), copied once to ``hidden_states``' place.
         cu_seqlens: ``None``, or the ``[num_docs + 1]`` int32 boundaries of documents packed
             into the one row of a ``B = 1`` batch (a ``paddle.Tensor`` on any place, best the
             CPU, or a ``numpy.ndarray``): starts at 0, non-decreasing, ends at ``S``; document
@@ -239,7 +241,8 @@ class MQALatentAttention(paddle.nn.Layer):
         ValueError: ``config.tensor_parallel_degree`` differs from the group size.
         ValueError: ``config.initializer_range`` so large that fp32 weights overflow.
         TypeError (forward): ``hidden_states`` not a paddle.Tensor in the parameters' dtype
-            (fp32 by default), or ``token_indices`` not a paddle.Tensor; a float16/bfloat16
+            (fp32 by default), or ``token_indices`` not a paddle.Tensor or a numpy int32/int64
+            array; a float16/bfloat16
             layer on CPU (named, with the dtypes that run there).
         ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
             or ``token_indices`` not ``[B, S, L]``; index values as in the op.
@@ -343,9 +346,12 @@ class MQALatentAttention(paddle.nn.Layer):
     def _check_forward_inputs(self, hidden_states, token_indices) -> None:
         """Errors named after the layer's own arguments, before any projection runs."""
         c = self.config
-        for name, t in (("hidden_states", hidden_states), ("token_indices", token_indices)):
-            if not isinstance(t, paddle.Tensor):
-                raise TypeError(f"{name}: expected a paddle.Tensor, got {type_name(t)}")
+        if not isinstance(hidden_states, paddle.Tensor):
+            raise TypeError(f"hidden_states: expected a paddle.Tensor, got "
+                            f"{type_name(hidden_states)}")
+        if not isinstance(token_indices, paddle.Tensor):
+            raise TypeError(f"token_indices: expected a paddle.Tensor or a numpy int32/int64 "
+                            f"array, got {type_name(token_indices)}")
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
             raise ValueError(
                 f"hidden_states: expected [B, S, hidden_size={c.hidden_size}], got shape "
@@ -484,6 +490,8 @@ class MQALatentAttention(paddle.nn.Layer):
     ) -> paddle.Tensor:
         c = self.config
         try:
+            if isinstance(hidden_states, paddle.Tensor):  # else the check below names it
+                token_indices = index_tensor(token_indices, hidden_states)
             self._check_forward_inputs(hidden_states, token_indices)
             B, S, _ = hidden_states.shape
             if cu_seqlens is None:
