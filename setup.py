@@ -26,6 +26,7 @@ setup(
     install_requires=["numpy", "tqdm", "psutil", "tilelang-paddle>=0.1.13"],
     extras_require={
         "cpu": ["paddlepaddle>=3.3"],
-        "test": ["pytest"],
+        # pytest-xdist: .ci/run spreads the suite over the cores (pytest -n 2)
+        "test": ["pytest", "pytest-xdist"],
     },
 )

@@ -11,4 +11,5 @@ from pathlib import Path
 os.environ.setdefault("TILELANG_CACHE_DIR",
                       str(Path(__file__).resolve().parent.parent / ".tilelang-cache"))
 
-pytest_plugins = ["helpers"]
+# xdist_scopes: how `pytest -n 2` (.ci/run) shares the files between its workers
+pytest_plugins = ["helpers", "xdist_scopes"]

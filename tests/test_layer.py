@@ -201,8 +201,12 @@ def test_errors():
         layer(paddle.zeros([1, 0, cfg.hidden_size]), paddle.zeros([1, 0, 4], dtype="int32"))
     with pytest.raises(ValueError, match=r"^token_indices: expected \[B, S, L\] with B=1 and S=8 \(from hidden_states\)"):
         layer(x, idx[:, :7])
-    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor, got numpy.ndarray"):
-        layer(x, idx.numpy())
+    with pytest.raises(TypeError, match="^token_indices: expected a paddle.Tensor or a numpy "
+                                        "int32/int64 array, got list"):
+        layer(x, idx.numpy().tolist())
+    with pytest.raises(TypeError, match="^token_indices: expected dtype int32 or int64 .*got "
+                                        "numpy float64"):
+        layer(x, idx.numpy().astype(np.float64))
     full = init_full_weights(cfg)
     full["wo"] = full["wo"][:-1]
     with pytest.raises(ValueError, match="wo"):
@@ -211,6 +215,28 @@ def test_errors():
     cpu_tl = MQALatentAttention(cfg.replace(backward_backend="tilelang"))
     with pytest.raises(ValueError, match="tilelang.*CUDA"):
         cpu_tl(paddle.randn([1, 8, cfg.hidden_size]), idx)
+
+
+@pytest.mark.parametrize("partition", ["heads", "sequence"])
+def test_numpy_token_indices_equal_tensor_indices(rng, partition):
+    """Issue 42: causal_topk_indices returns numpy, and the layer refused it.  numpy int32 and
+    int64 indices give the output and gradients of the same indices as a tensor, bit for bit."""
+    cfg = get_preset("deepseek_v32_small", attention_partition=partition)
+    layer = MQALatentAttention(cfg, seed=3)
+    x_np = rng.standard_normal((2, 12, cfg.hidden_size)).astype(np.float32)
+    idx = causal_topk_indices(2, 12, 12, 8, seed=int(rng.integers(1 << 30)))
+    results = []
+    for indices in (paddle.to_tensor(idx), idx, idx.astype(np.int64)):
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        y = layer(x, indices)
+        (y * y).sum().backward()
+        results.append([y.numpy(), x.grad.numpy()]
+                       + [p.grad.numpy() for _, p in layer.named_parameters()])
+        layer.clear_gradients()
+    assert np.abs(results[0][1]).max() > 0
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_load_full_weights_refuses_weights_it_would_drop(rng):

@@ -181,6 +181,32 @@ def test_non_paddle_inputs_name_the_argument_and_the_type(rng):
                              0.1, torch.from_numpy(sk), d_v=d_v)
 
 
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
+def test_numpy_token_indices_equal_tensor_indices(rng, idx_dtype):
+    """Issue 42: indices.causal_topk_indices returns numpy, and the op refused it.  A numpy
+    int32/int64 array is copied to the query's place and gives the same output and gradients,
+    bit for bit, as the same indices as a tensor; the value checks still apply to it, and a
+    numpy array of another dtype is a TypeError naming it."""
+    q, kv, idx, sk, grad, d_v = _inputs(rng, idx_dtype=idx_dtype)
+    results = []
+    for indices in (paddle.to_tensor(idx), idx):
+        tq, tkv, tsk = (paddle.to_tensor(a, stop_gradient=False) for a in (q, kv, sk))
+        out = mqa_latent_sparse_attention(tq, tkv, indices, 0.1, tsk, d_v=d_v)
+        (out * paddle.to_tensor(grad)).sum().backward()
+        results.append([out.numpy(), tq.grad.numpy(), tkv.grad.numpy(), tsk.grad.numpy()])
+    assert np.abs(results[0][0]).max() > 0
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+    t = paddle.to_tensor
+    bad = idx.copy()
+    bad[0, 0, 0] = kv.shape[1]
+    with pytest.raises(ValueError, match="^token_indices: expected values -1"):
+        mqa_latent_sparse_attention(t(q), t(kv), bad, 0.1, t(sk), d_v=d_v)
+    with pytest.raises(TypeError, match=r"^token_indices: expected dtype int32 or int64 \(a numpy "
+                                        r"array is accepted\), got numpy float32$"):
+        mqa_latent_sparse_attention(t(q), t(kv), idx.astype(np.float32), 0.1, t(sk), d_v=d_v)
+
+
 def test_float64_inputs_computed_in_float64(rng):
     """fp64 inputs get the fp64 reference (fp32 compute would leave ~1e-7 errors)."""
     q, kv, idx, sk, grad, d_v = _inputs(rng, H=4)

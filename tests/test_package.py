@@ -15,7 +15,7 @@ _HELP_IN_A_FRESH_PROCESS = """
 import json, pydoc, sys
 import paddlefleet.tilelang_ops.attn as attn
 text = pydoc.render_doc(attn, renderer=pydoc.plaintext)
-print(json.dumps({"text": text, "all": attn.__all__,
+print(json.dumps({"text": text, "all": attn.__all__, "dir": dir(attn),
                   "heavy": sorted(m for m in ("paddle", "torch", "tilelang") if m in sys.modules)}))
 """
 
@@ -39,6 +39,18 @@ def test_help_is_a_short_index_of_every_public_name():
     for noise in ("__getattr__", "__dir__", "_LazyModule", "Methods inherited"):
         assert noise not in text, noise
     assert got["heavy"] == [], "help() must not import the frameworks"
+
+
+def test_dir_lists_every_public_name_before_any_is_loaded():
+    """Issue 42: ``dir()`` listed only this file's helpers (import_module, sys, types) until a
+    name was used; tab completion and ``dir()`` now show the public names, loaded or not."""
+    got = _fresh_help()
+    listed = got["dir"]
+    assert set(got["all"]) <= set(listed), sorted(set(got["all"]) - set(listed))
+    assert "__all__" in listed and "__doc__" in listed
+    for helper in ("import_module", "sys", "types", "_EXPORTS", "_LazyModule"):
+        assert helper not in listed, helper
+    assert listed == sorted(listed)
 
 
 def test_names_load_on_first_use():

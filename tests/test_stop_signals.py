@@ -49,3 +49,17 @@ def test_a_second_signal_inside_a_deferred_block_raises_at_once():
             finished.append("after the second")
     assert finished == ["after the first"]
     assert stop.received == [signal.SIGINT, signal.SIGINT]
+
+
+def test_on_deferred_is_called_at_once_for_the_first_signal_only():
+    """What train_step uses to say at once that a Ctrl-C waits for the backward (issue 42)."""
+    events = []
+    with pytest.raises(KeyboardInterrupt), StopSignals(on_deferred=events.append) as stop:
+        with stop.deferred():
+            _signal_self(signal.SIGINT)
+            events.append("rest of the block")
+            _signal_self(signal.SIGINT)  # raises at once: not announced
+    assert events == [signal.SIGINT, "rest of the block"]
+    with pytest.raises(KeyboardInterrupt), StopSignals(on_deferred=events.append):
+        _signal_self(signal.SIGINT)  # outside a deferred block: raises, nothing to announce
+    assert events == [signal.SIGINT, "rest of the block"]

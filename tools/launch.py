@@ -94,10 +94,15 @@ class StopSignals:
     only recorded and raised when that block ends (a second one raises at once): for code that
     must not be cut in the middle, such as Paddle's ``loss.backward()``, which turns an exception
     inside a PyLayer's backward into an ``OSError`` and prints a glog warning.
+
+    ``on_deferred(signum)``, when given, is called at once (from the signal handler, in the main
+    thread) when a first signal is deferred: to tell the user that the stop waits for the end
+    of the block and that a second signal stops at once.
     """
 
-    def __init__(self):
+    def __init__(self, on_deferred=None):
         self.received: list = []
+        self._on_deferred = on_deferred
         self._previous: dict = {}
         self._depth = 0
         self._pending = None
@@ -130,6 +135,8 @@ class StopSignals:
         self.received.append(signum)
         if self._depth and self._pending is None:
             self._pending = signum
+            if self._on_deferred is not None:
+                self._on_deferred(signum)
             return
         self._raise(signum)
 

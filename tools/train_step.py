@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """A few training steps of the DeepSeek-V3.2-style sparse MLA attention layer.
 
-Builds :class:`~paddlefleet.tilelang_ops.attn.layer.MQALatentAttention` from a config (a preset
-name or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
+Builds the tensor-parallel attention layer (MQALatentAttention) from a config (a preset name
+or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
 printing per step the loss, the global gradient norm and the gradient norm of every parameter
-(tensor-parallel shards are combined, so the numbers are the same for any ``--nproc``).  Exits
-with status 1 and one ``error: non-finite ...`` line as soon as a loss, a gradient or a parameter
+(tensor-parallel shards are combined, so the numbers are the same for any --nproc).  Exits
+with status 1 and one "error: non-finite ..." line as soon as a loss, a gradient or a parameter
 after an optimizer step is not finite, with status 1 when the config cannot run (unknown preset,
 heads not divisible by --nproc, tilelang without a GPU), 2 on a bad option, and 130 / 143 when
 stopped by Ctrl-C / SIGTERM (every rank is stopped too).
@@ -28,14 +28,19 @@ Examples:
     python tools/train_step.py --config deepseek_v32 --backward-backend tilelang
 
 Defaults: on CPU the small preset, batch 1, 512 tokens; on a GPU the DeepSeek-V3.2 preset,
-batch 1, 4096 tokens.  The top-k width is ``min(config.index_topk, seq_len)``; indices come
-from ``causal_topk_indices`` (random causal keys; the DSA indexer is out of scope).  With
-``--doc-lens`` the row packs documents of those lengths (``S`` = their sum, ``B`` = 1); indices
-come from ``varlen_causal_topk_indices`` and the default top-k width is
-``min(config.index_topk, longest document)``.  A DeepSeek-V4 config (``deepseek_v4_*``, a
-``DeepSeekV4Attention``) attends to its window and compressed keys instead; a ratio-4 layer's
-compressed picks come from ``v4_layer.random_compressed_picks`` (the indexer is out of scope)
-and ``--topk`` does not apply.  The progress bar is drawn only on a terminal.
+batch 1, 4096 tokens.  The top-k width is min(config index_topk, seq_len); indices come
+from causal_topk_indices (random causal keys; the DSA indexer is out of scope).  With
+--doc-lens the row packs documents of those lengths (S = their sum, B = 1); indices come from
+varlen_causal_topk_indices and the default top-k width is min(config index_topk, longest
+document).  A DeepSeek-V4 config (deepseek_v4_*, a DeepSeekV4Attention) attends to its window
+and compressed keys instead; a ratio-4 layer's compressed picks come from
+v4_layer.random_compressed_picks (the indexer is out of scope) and --topk does not apply.  The
+progress bar is drawn only on a terminal.
+
+Stopping: Ctrl-C (or SIGTERM) during a step's backward pass lets that backward finish (it is not
+cut in the middle) and says so at once; a second Ctrl-C stops at once.  A multi-rank run stops
+its ranks at once.  Its rank logs go to --log-dir, or to a temporary folder that is removed
+after a successful run (kept, and named, when the run fails or is stopped).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -95,6 +101,20 @@ _doc_lens = _arg_type(lambda text: [int(n) for n in text.split(",")],
                       "comma-separated document lengths >= 0 with a sum >= 1, e.g. 100,412")
 
 
+#: The default --lr: one at which the loss falls on each of the default 5 steps.  AdamW moves
+#: every weight by about lr per step whatever its gradient, so the change of a projection's
+#: output grows with its width: at deepseek_v32's hidden 7168, 1e-3 made the loss rise by step 3
+#: (issue 42); at 1e-4 it falls on every step (CPU, reference backward, 512 tokens: 1.0234,
+#: 1.0057, 0.9946, 0.9855, 0.9772).  deepseek_v32_small (hidden 256) falls at 1e-3 (0.99771 ..
+#: 0.99188; tests/test_train_step.py).
+_NARROW_HIDDEN = 1024
+_LR_NARROW, _LR_WIDE = 1e-3, 1e-4
+
+
+def _default_lr(cfg) -> float:
+    return _LR_NARROW if cfg.hidden_size <= _NARROW_HIDDEN else _LR_WIDE
+
+
 def _parser() -> argparse.ArgumentParser:
     intro, rest = __doc__.split("\n\n", 1)
     p = argparse.ArgumentParser(prog="train_step.py", description=intro, epilog=rest,
@@ -118,15 +138,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=_positive_int, default=None,
                    help="keys per query row, at most --seq-len "
                         "(default: min(config index_topk, --seq-len))")
-    p.add_argument("--lr", type=_positive_float, default=1e-3,
-                   help="AdamW learning rate (default: %(default)g)")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help=f"AdamW learning rate (default: {_LR_NARROW:g} for a config with "
+                        f"hidden_size <= {_NARROW_HIDDEN}, as deepseek_v32_small; {_LR_WIDE:g} "
+                        "for a wider one, as deepseek_v32)")
     p.add_argument("--seed", type=_non_negative_int, default=0,
                    help="seed of the weights, inputs and indices (default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: the GPU when Paddle sees one (default: %(default)s)")
-    p.add_argument("--nproc", type=_positive_int, default=1,
+    p.add_argument("--nproc", type=_positive_int, default=None,
                    help="tensor-parallel ranks; >1 re-launches this script with "
-                        "paddle.distributed.launch (default: %(default)s)")
+                        "paddle.distributed.launch (default: the config's "
+                        "tensor_parallel_degree, 1 for the presets; a JSON config whose "
+                        "tensor_parallel_degree is not 1 runs on that many ranks only)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="folder for the rank logs of a multi-rank run, kept (default: a "
+                        "temporary folder, removed after a successful run, kept and named when "
+                        "the run fails or is stopped)")
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds before a multi-rank run is killed (a broken rendezvous hangs; "
                         "default: %(default)g)")
@@ -142,8 +170,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool) -> None:
-    """Device-dependent defaults, and the checks that relate two arguments (usage errors)."""
+def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool | None) -> None:
+    """Device-dependent defaults, and the checks that relate two arguments (usage errors).
+    ``on_gpu`` None: the device is not known yet (before Paddle is imported); what depends on
+    it is left for a second call, which checks the rest again."""
     if args.doc_lens is not None:  # packed documents: S is their sum, in one row
         total = sum(args.doc_lens)
         if args.seq_len is not None and args.seq_len != total:
@@ -153,9 +183,9 @@ def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool) -> None:
             p.error(f"--doc-lens packs the documents into one row: --batch must be 1, got "
                     f"{args.batch}")
         args.seq_len = total
-    if args.seq_len is None:
+    if args.seq_len is None and on_gpu is not None:
         args.seq_len = 4096 if on_gpu else 512
-    if args.topk is not None and args.topk > args.seq_len:
+    if args.topk is not None and args.seq_len is not None and args.topk > args.seq_len:
         # every slot past the sequence would be an empty (-1) slot: slower, nothing learned
         p.error(f"argument --topk: expected at most the sequence length {args.seq_len} "
                 f"({'the --doc-lens sum' if args.doc_lens is not None else '--seq-len'}), "
@@ -163,6 +193,39 @@ def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool) -> None:
     if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
         p.error(f"argument --inject-nan: expected a step in [0, {args.steps}) (--steps "
                 f"{args.steps}), got {args.inject_nan}")
+
+
+def _resolve_nproc(p: argparse.ArgumentParser, args) -> None:
+    """``args.nproc`` from the config where not given: a JSON config's tensor_parallel_degree
+    (its ranks), 1 for a preset.  An explicit --nproc that differs from a JSON config's
+    tensor_parallel_degree other than 1 (the field's default, written by every saved preset)
+    is a usage error naming both."""
+    from paddlefleet.tilelang_ops.attn.config import PRESETS, load_config
+
+    config_tp = None
+    if args.config is not None and args.config not in PRESETS and os.path.isfile(args.config):
+        try:
+            config_tp = load_config(args.config).tensor_parallel_degree
+        except (ValueError, TypeError, OSError) as e:
+            raise SystemExit(f"error: --config {args.config}: {e}") from None
+    if args.nproc is None:
+        args.nproc = config_tp or 1
+    elif config_tp not in (None, 1, args.nproc):
+        p.error(f"argument --nproc: {args.nproc} ranks, but --config {args.config} says "
+                f"tensor_parallel_degree {config_tp}; leave --nproc out to run on its "
+                f"{config_tp} ranks, or give the same value")
+
+
+def _check_before_paddle(p: argparse.ArgumentParser, args) -> None:
+    """Usage and config errors that need no Paddle, before it is imported (7-10 s): the
+    argument checks, --nproc against the config, and the config itself (heads divisible by
+    --nproc, the JSON file's fields).  Only what depends on the device waits for Paddle when
+    --device is not cpu: the GPU defaults (config, sequence length) and TileLang on CPU."""
+    on_gpu = False if args.device == "cpu" else None
+    _resolve(p, args, on_gpu)
+    _resolve_nproc(p, args)
+    if args.config is not None or on_gpu is not None:
+        _load_config(args, on_gpu, args.nproc)
 
 
 def _relaunch(args, argv) -> int:
@@ -174,9 +237,13 @@ def _relaunch(args, argv) -> int:
     # The bar is drawn on this process's stdout (copied from rank 0): only if it is a terminal.
     progress = not args.no_progress and sys.stdout.isatty()
     rank_argv = list(argv) + ([] if progress else ["--no-progress"])
-    log_dir = tempfile.mkdtemp(prefix="train_step_logs_")
+    temporary = args.log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="train_step_logs_") if temporary else args.log_dir
     print(f"launching {args.nproc} ranks; their logs: {log_dir}/workerlog.0 .. "
-          f"workerlog.{args.nproc - 1}", flush=True)
+          f"workerlog.{args.nproc - 1}"
+          + (" (removed after a successful run; --log-dir keeps them)" if temporary else ""),
+          flush=True)
+    # LaunchInterrupted (Ctrl-C, SIGTERM) goes up with the folder kept: main names it.
     res = launch_ranks(os.path.abspath(__file__), args.nproc, rank_argv, timeout=args.timeout,
                        devices=devices, console=True, log_dir=log_dir)
     if res.timed_out:
@@ -185,6 +252,8 @@ def _relaunch(args, argv) -> int:
     elif res.returncode != 0:
         print(f"error: the {args.nproc}-rank run exited with status {res.returncode}; see "
               f"{res.log_dir}/workerlog.*", file=sys.stderr)
+    elif temporary:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return res.returncode
 
 
@@ -244,9 +313,10 @@ def _non_finite_parameters(layer, group) -> list:
     return [n for n, f in zip(names, flag.numpy().tolist()) if f > 0]
 
 
-def _load_config(args, on_gpu: bool, world: int):
+def _load_config(args, on_gpu: bool | None, world: int):
     """``(name, config)`` for ``world`` tensor-parallel ranks; a bad config (heads not divisible
-    by ``world`` included) exits with a message naming ``--config``."""
+    by ``world`` included) exits with a message naming ``--config``.  ``on_gpu`` None (device
+    not known yet): ``args.config`` must be given; TileLang on CPU is not checked."""
     from paddlefleet.tilelang_ops.attn.config import load_config
 
     overrides = {"tensor_parallel_degree": world}
@@ -259,7 +329,7 @@ def _load_config(args, on_gpu: bool, world: int):
         cfg = load_config(name, **overrides)
     except (ValueError, TypeError, OSError) as e:
         raise SystemExit(f"error: --config {name} with --nproc {world}: {e}") from None
-    if cfg.backward_backend == "tilelang" and not on_gpu:
+    if cfg.backward_backend == "tilelang" and on_gpu is False:
         if args.backward_backend == "tilelang":
             raise SystemExit(
                 "error: --backward-backend tilelang needs a CUDA GPU (the TileLang kernels are "
@@ -359,8 +429,14 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
             L = args.topk if args.topk is not None else min(cfg.index_topk, max(args.doc_lens))
         # on the host: the layer reads it for RoPE positions and checks only (no device sync)
         cu_seqlens = paddle.to_tensor(cu_np, place=paddle.CPUPlace())
+    if world == 1:
+        split = "all in one process"
+    elif cfg.attention_partition == "sequence":  # all heads on 1/TP of the query rows
+        split = f"all {cfg.num_attention_heads} on every rank, query rows split over TP {world}"
+    else:
+        split = f"{cfg.heads_per_rank} per rank x TP {world}"
     log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
-        f"({cfg.heads_per_rank} per rank x TP {world}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
+        f"({split}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
         f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
         f"attention partition {cfg.attention_partition}, device {'gpu' if on_gpu else 'cpu'}")
 
@@ -373,7 +449,8 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
         layer = DeepSeekV4Attention(cfg, seed=args.seed)
     else:
         layer = MQALatentAttention(cfg, seed=args.seed)  # group: fleet's mp group, else the world
-    opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=layer.parameters())
+    lr = args.lr if args.lr is not None else _default_lr(cfg)
+    opt = paddle.optimizer.AdamW(learning_rate=lr, parameters=layer.parameters())
     rng = np.random.default_rng(args.seed + 1)  # same inputs on every rank
     x = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
     target = paddle.to_tensor(rng.standard_normal((B, S, cfg.hidden_size)).astype("float32"))
@@ -388,7 +465,7 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
         f", {len(args.doc_lens)} packed documents (lengths {','.join(map(str, args.doc_lens))})")
     keys = (f"keys per row {L} (window {cfg.window_size}, compress_ratio {cfg.compress_ratio})"
             if v4 else f"top-k {L}")
-    log(f"inputs: B {B}, S {S}, {keys}, sm_scale {cfg.sm_scale:.6g}{packed}")
+    log(f"inputs: B {B}, S {S}, {keys}, sm_scale {cfg.sm_scale:.6g}{packed}; AdamW lr {lr:g}")
 
     # A bar only where it can be drawn: on a terminal, or on the console of a launch whose
     # caller is on one (it passes --no-progress otherwise).
@@ -429,7 +506,7 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
                        f"non-finite grad norms: {bad or 'none'})" if not finite else
                        f"error: non-finite parameters after the optimizer step at step {step} "
                        f"({', '.join(bad_params)}; the update diverged: lower --lr, now "
-                       f"{args.lr:g})")
+                       f"{lr:g})")
                 print(msg, file=sys.stderr, flush=True)
                 if to_console:
                     log(msg)
@@ -443,8 +520,21 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
               file=sys.stderr, flush=True)
         return 128 + stop.received[0]
     if status == 0:
-        log(f"done: {len(losses)} steps, loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+        n = len(losses)
+        log(f"done: {n} step{'s' if n != 1 else ''}, loss {losses[0]:.6f} -> {losses[-1]:.6f}")
     return status
+
+
+def _announce_deferred_stop(signum) -> None:
+    """Said at once when a first Ctrl-C / SIGTERM arrives inside the backward (which is not cut
+    in the middle, and may take minutes at the deepseek_v32 sizes on CPU): on a line of its
+    own, above the progress bar (tqdm.write), where the bar is drawn (stderr)."""
+    from tqdm import tqdm
+
+    again = "Ctrl-C again" if signum == signal.SIGINT else "a second SIGTERM or Ctrl-C"
+    tqdm.write(f"{signal.Signals(signum).name} received: stopping once this step's backward "
+               f"pass ends; {again} stops now", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def main(argv=None) -> int:
@@ -454,6 +544,7 @@ def main(argv=None) -> int:
     if _IN_LAUNCHED_RANK:
         # The launcher ends its ranks with SIGTERM; the process that launched them reports it.
         return train(p, args)
+    _check_before_paddle(p, args)
     try:
         # Paddle installs a SIGTERM handler of its own when imported (it prints a C++ stack
         # and aborts): import it first, so that ours below replaces it.
@@ -467,12 +558,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted by SIGINT before the first step", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
-    with StopSignals() as stop:
+    with StopSignals(on_deferred=_announce_deferred_stop) as stop:
         try:
             if args.nproc == 1:
                 return train(p, args, stop)
-            # Fail here, in one process, on a usage error or when the heads do not split over
-            # --nproc ranks (or the config is bad otherwise), instead of in every launched rank.
+            # Fail here, in one process, on what needed the device to check (the GPU defaults,
+            # TileLang on CPU), instead of in every launched rank.
             on_gpu = _use_gpu(args.device)
             _resolve(p, args, on_gpu)
             _load_config(args, on_gpu, args.nproc)

@@ -88,7 +88,7 @@ __all__ = sorted(_EXPORTS)
 class _LazyModule(types.ModuleType):
     """This package's module type: a public name is imported from its sub-module on first
     access.  Being methods of the module's class (not functions in its namespace), the hooks do
-    not show up in ``help()``; ``dir()`` lists what is loaded, ``__all__`` every public name."""
+    not show up in ``help()``; ``dir()`` and ``__all__`` list every public name."""
 
     def __getattr__(self, name):
         try:
@@ -98,6 +98,20 @@ class _LazyModule(types.ModuleType):
         value = getattr(import_module(f".{module}", self.__name__), name)
         setattr(self, name, value)
         return value
+
+    def __dir__(self):
+        # The public names (loaded or not), the sub-modules loaded so far and the module's own
+        # dunders; not the helpers this file imports (sys, types, import_module).
+        own = vars(self)
+        loaded = [n for n, v in own.items() if isinstance(v, types.ModuleType)
+                  and getattr(v, "__name__", "").startswith(self.__name__ + ".")]
+        dunders = [n for n in own if n.startswith("__") and n.endswith("__")]
+        if sys._getframe(1).f_globals.get("__name__") == "inspect":
+            # help() (pydoc, through inspect.getmembers) reads every name dir() lists: the
+            # names not loaded yet would import Paddle and add ~1,900 lines of inherited
+            # docs; the package docstring is help()'s index of them instead.
+            return sorted({*(n for n in own if n in _EXPORTS), *loaded, *dunders})
+        return sorted({*__all__, *loaded, *dunders})
 
 
 sys.modules[__name__].__class__ = _LazyModule

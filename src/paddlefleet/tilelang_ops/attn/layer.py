@@ -80,7 +80,7 @@ import paddle.nn.functional as F
 from .adapter import type_name
 from .checks import check_cu_seqlens, check_indices_in_documents, check_tensors, check_values
 from .config import MQALatentAttentionConfig
-from .op import mqa_latent_sparse_attention
+from .op import index_tensor, mqa_latent_sparse_attention
 from .tp import (
     all_to_all,
     copy_to_tensor_parallel,
@@ -501,7 +501,9 @@ class MQALatentAttention(_TensorParallelAttention):
         hidden_states: ``[B, S, hidden_size]`` in the parameters' dtype (Paddle's default
             dtype when the layer was built, fp32 normally).
         token_indices: ``[B, S, L]`` int32/int64 top-k key positions in ``[0, S)`` or ``-1``
-            (``L`` is usually ``config.index_topk``; causality is carried by the indices).
+            (``L`` is usually ``config.index_topk``; causality is carried by the indices); a
+            paddle.Tensor or a numpy int32/int64 array (as ``indices.causal_topk_indices``
+            returns), copied once to ``hidden_states``' place.
         cu_seqlens: ``None``, or the ``[num_docs + 1]`` int32 boundaries of documents packed
             into the one row of a ``B = 1`` batch (a ``paddle.Tensor`` on any place, best the
             CPU, or a ``numpy.ndarray``): starts at 0, non-decreasing, ends at ``S``; document
@@ -521,7 +523,8 @@ class MQALatentAttention(_TensorParallelAttention):
         ValueError: ``config.tensor_parallel_degree`` differs from the group size.
         ValueError: ``config.initializer_range`` so large that fp32 weights overflow.
         TypeError (forward): ``hidden_states`` not a paddle.Tensor in the parameters' dtype
-            (fp32 by default), or ``token_indices`` not a paddle.Tensor; a float16/bfloat16
+            (fp32 by default), or ``token_indices`` not a paddle.Tensor or a numpy int32/int64
+            array; a float16/bfloat16
             layer on CPU (named, with the dtypes that run there).
         ValueError (forward): ``hidden_states`` not ``[B, S, hidden_size]`` with ``B, S >= 1``,
             or ``token_indices`` not ``[B, S, L]``; index values as in the op.
@@ -545,7 +548,10 @@ class MQALatentAttention(_TensorParallelAttention):
         )
 
     def _check_forward_inputs(self, hidden_states, token_indices) -> None:
-        B, S = self._check_hidden_states(hidden_states, token_indices=token_indices)
+        B, S = self._check_hidden_states(hidden_states)
+        if not isinstance(token_indices, paddle.Tensor):  # numpy was converted by forward
+            raise TypeError(f"token_indices: expected a paddle.Tensor or a numpy int32/int64 "
+                            f"array, got {type_name(token_indices)}")
         if token_indices.ndim != 3 or list(token_indices.shape[:2]) != [B, S]:
             raise ValueError(
                 f"token_indices: expected [B, S, L] with B={B} and S={S} (from hidden_states), "
@@ -560,6 +566,8 @@ class MQALatentAttention(_TensorParallelAttention):
     ) -> paddle.Tensor:
         c = self.config
         with self._inputs_checked_on_every_rank():
+            if isinstance(hidden_states, paddle.Tensor):  # else the check below names it
+                token_indices = index_tensor(token_indices, hidden_states)
             self._check_forward_inputs(hidden_states, token_indices)
             B, S, _ = hidden_states.shape
             if cu_seqlens is None:

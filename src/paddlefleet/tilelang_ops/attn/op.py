@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from importlib import import_module
 
+import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
@@ -228,6 +229,22 @@ def _check_versions(saved: dict, tensors: dict) -> None:
             )
 
 
+def index_tensor(token_indices, like: paddle.Tensor):
+    """``token_indices`` as a paddle.Tensor: a numpy int32/int64 array (what
+    ``indices.causal_topk_indices`` returns) is copied once to ``like``'s place; anything else
+    is returned as it is, for the tensor checks.
+
+    Raises:
+        TypeError: a numpy array of another dtype.
+    """
+    if not isinstance(token_indices, np.ndarray):
+        return token_indices
+    if token_indices.dtype not in (np.int32, np.int64):
+        raise TypeError(f"token_indices: expected dtype int32 or int64 (a numpy array is "
+                        f"accepted), got numpy {token_indices.dtype}")
+    return paddle.to_tensor(token_indices, place=like.place)
+
+
 def mqa_latent_sparse_attention(
     query: paddle.Tensor,
     kv: paddle.Tensor,
@@ -252,7 +269,9 @@ def mqa_latent_sparse_attention(
         kv: ``[B, S_kv, Dk]``, same dtype as ``query``: the shared latent; the value is
             ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64 top-k key rows, ``-1`` = empty slot.  Causality
-            is carried by the indices (the op applies no mask).
+            is carried by the indices (the op applies no mask).  A paddle.Tensor, or a numpy
+            int32/int64 array (as ``indices.causal_topk_indices`` returns), copied once to
+            ``query``'s place.
         sm_scale: multiplies ``q.k`` (not the sink), e.g. ``(qk_nope + qk_rope) ** -0.5``;
             finite and ``> 0`` (also in float32) on every device.
         attn_sink: ``[H]`` fp32 per-head sink logits, or ``None``; finite or ``-inf`` (that
@@ -330,6 +349,7 @@ def mqa_latent_sparse_attention(
     device_kind = ops.device_kind(query)
     backend = resolve_backward_backend(backward_backend, device_kind)
     deterministic = resolve_deterministic(deterministic)
+    token_indices = index_tensor(token_indices, query)
     prepared = _prepare(query, kv, token_indices, attn_sink, d_v, cu_seqlens, device_kind)
     return MQALatentSparseAttentionFunction.apply(
         query, kv, token_indices, attn_sink, sm_scale, prepared, backend, device_kind,
