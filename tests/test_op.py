@@ -307,9 +307,11 @@ def test_cuda_path_dispatch_with_fake_kernels(rng, monkeypatch):
 
 
 def test_one_call_checks_once(rng, monkeypatch):
-    """The op checks its tensors and reads their values once per call (the reference or the
-    kernel wrapper behind it used to check again), and casts the indices once: the backward
-    checks and casts nothing."""
+    """The op checks its tensors and reads their values once per call, and casts the indices
+    once.  The reference behind it, handed the ``PreparedIndices``, checks the tensors' metadata
+    against it and the (cheap on CPU: two reductions and the [H] sink) values again, so that a
+    ``PreparedIndices`` is never trusted with tensors it was not made for (break-it 2); it
+    casts nothing."""
     from paddlefleet.tilelang_ops.attn import checks as checks_mod
     from paddlefleet.tilelang_ops.attn import op as op_mod
     from paddlefleet.tilelang_ops.attn import reference as ref_mod
@@ -320,7 +322,9 @@ def test_one_call_checks_once(rng, monkeypatch):
     record_calls(monkeypatch, calls, ref_mod, "check_tensors", "check_values")
     record_calls(monkeypatch, calls, checks_mod, "int32_indices", "check_cu_seqlens")
     _run_op(q, kv, idx, sk, grad, d_v, 0.1)
-    assert calls == ["check_tensors", "prepare_indices", "int32_indices"]
+    assert calls == ["check_tensors", "prepare_indices", "int32_indices",
+                     "check_tensors", "check_values",    # the reference forward
+                     "check_tensors", "check_values"]    # the reference backward
 
 
 def test_bf16_on_cpu_keeps_dtypes(rng):
