@@ -509,6 +509,17 @@ def _no_flag(names):
     raise ValueError(f"Flag {names[0]} cannot get its value through this function.")
 
 
+def _edit_case(rng, monkeypatch, path):
+    """``(q, kv, idx, sink, grad, d_v, dtype)`` for the op on the reference path (fp32) or the
+    TileLang path (bf16, the CPU stand-in kernels as if on CUDA)."""
+    if path == "tilelang":
+        _stand_in_kernels(monkeypatch)
+        _as_cuda(monkeypatch)
+        q, kv, idx, sk, grad = _kernel_case(rng)
+        return q, kv, idx, sk, grad, 512, "bfloat16"
+    return (*_inputs(rng), "float32")
+
+
 @pytest.mark.parametrize("path", ["reference", "tilelang"])
 @pytest.mark.parametrize("edited", ["query", "kv", "attn_sink"])
 @pytest.mark.parametrize("how", ["add_", "setitem"])
@@ -519,14 +530,7 @@ def test_an_input_edited_in_place_after_the_forward_is_refused(rng, monkeypatch,
     bumps the inplace version (``add_``/``scale_``, setitem), naming the tensor (Paddle reports
     a PyLayer's error as an OSError).  (``set_value``/``copy_`` are not versioned by Paddle and
     cannot be seen: documented, not tested.)"""
-    if path == "tilelang":
-        _stand_in_kernels(monkeypatch)
-        _as_cuda(monkeypatch)
-        q, kv, idx, sk, grad = _kernel_case(rng)
-        dtype, d_v = "bfloat16", 512
-    else:
-        q, kv, idx, sk, grad, d_v = _inputs(rng)
-        dtype = "float32"
+    q, kv, idx, sk, grad, d_v, dtype = _edit_case(rng, monkeypatch, path)
     Q = paddle.to_tensor(q).astype(dtype)
     KV = paddle.to_tensor(kv).astype(dtype)
     SK = paddle.to_tensor(sk)
@@ -556,14 +560,7 @@ def test_indices_edited_after_the_forward_leave_the_gradients_unchanged(rng, mon
     ``idx.set_value(...)`` (which Paddle does not version) between forward and backward gave
     gradients for other keys, silently.  The forward now keeps its own copy, so any edit of
     the caller's indices, versioned or not, leaves the gradients those of an unedited run."""
-    if path == "tilelang":
-        _stand_in_kernels(monkeypatch)
-        _as_cuda(monkeypatch)
-        q, kv, idx, sk, grad = _kernel_case(rng)
-        dtype, d_v = "bfloat16", 512
-    else:
-        q, kv, idx, sk, grad, d_v = _inputs(rng)
-        dtype = "float32"
+    q, kv, idx, sk, grad, d_v, dtype = _edit_case(rng, monkeypatch, path)
     idx = idx.astype(idx_dtype)
 
     def grads(edit):

@@ -601,7 +601,8 @@ def test_prepared_indices_still_get_the_value_checks():
     from paddlefleet.tilelang_ops.attn.checks import PreparedIndices
     q, kv, _, sk, prepared, rng = _prepared_case()
     nan_sink = paddle.to_tensor(np.array([0.0, np.nan, 1.0, 2.0], np.float32))
-    with pytest.raises(ValueError, match=r"^attn_sink: expected finite values or -inf.* heads \[1\]"):
+    with pytest.raises(ValueError,
+                       match=r"^attn_sink: expected finite values or -inf.* heads \[1\]"):
         mqa_latent_sparse_fwd_ref(q, kv, prepared, 0.3, nan_sink)
     with pytest.raises(ValueError, match=r"^attn_sink: expected finite values"):
         mqa_latent_sparse_bwd_ref(q, kv, None, _randn(rng, 2, 6, 4, 8), None, nan_sink,

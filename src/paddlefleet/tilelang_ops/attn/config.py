@@ -314,9 +314,10 @@ class _AttentionConfig:
         Raises:
             OSError: the folder cannot be written; ``PermissionError`` where ``path`` exists and
                 is not writable, or has no write permission bit at all (a read-only file is
-                refused, as ``open(path, "w")`` refuses it, not replaced; also for root); ``FileNotFoundError`` where the folder (for a symlink: of
-                its target, which is named) does not exist; ``IsADirectoryError`` for a
-                folder.  Each names ``path``, never the temporary file.
+                refused, as ``open(path, "w")`` refuses it, not replaced; also for root);
+                ``FileNotFoundError`` where the folder (for a symlink: of its target, which is
+                named) does not exist; ``IsADirectoryError`` for a folder.  Each names
+                ``path``, never the temporary file.
         """
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
         given = os.fspath(path)
