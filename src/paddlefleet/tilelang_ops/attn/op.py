@@ -87,6 +87,8 @@ def _determinism_flag() -> bool | None:
     try:
         value = bool(paddle.get_flags([DETERMINISM_FLAG])[DETERMINISM_FLAG])
     except ValueError:  # "cannot get its value": a build without the flag
+        value = None
+    if value is None:  # read outside the except: an unreadable value's error stands alone
         return None if env is None else _env_flag(env)
     return value if value or env is not None else None
 
