@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -365,3 +366,83 @@ def test_file_errors_name_the_file(tmp_path):
                                          r"\['rms_norm_eps'\]: MQALatentAttentionConfig\."
                                          r"rms_norm_eps must be"):
         load_config(str(path), rms_norm_eps=0.0)
+
+
+@pytest.mark.parametrize("extra", [{1: 2, "x": 3}, {None: 2}, {("a",): 1}])
+def test_from_dict_names_keys_that_are_not_strings(extra):
+    """Break-it 7: mixed key types raised a raw TypeError from sorted()."""
+    base = get_preset("deepseek_v32_small").to_dict()
+    with pytest.raises(TypeError, match=r"^MQALatentAttentionConfig: field names must be "
+                                        r"strings, got key\(s\) "):
+        MQALatentAttentionConfig.from_dict({**base, **extra})
+
+
+def test_load_config_classifies_by_the_fields(tmp_path):
+    """Break-it 6: a valid DeepSeek-V4 file without ``compress_ratio`` (a window-only layer,
+    whose default it is) loaded as a V3.2 config and failed with "unknown field(s)"."""
+    from paddlefleet.tilelang_ops.attn.v4_config import DeepSeekV4AttentionConfig
+
+    v4 = get_preset("deepseek_v4_small", compress_ratio=None, compressed_topk=None)
+    data = v4.to_dict()
+    del data["compress_ratio"]
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps(data))
+    got = load_config(str(path))
+    assert type(got) is DeepSeekV4AttentionConfig and got == v4
+    v3 = get_preset("deepseek_v32_small")
+    path3 = tmp_path / "v3.json"
+    v3.to_json_file(path3)
+    assert load_config(str(path3)) == v3
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({**data, "kv_lora_rank": 64}))
+    with pytest.raises(ValueError, match=r"^config file .*both.json' mixes the fields of both "
+                                         r"configs: \['kv_lora_rank'\] are "
+                                         r"MQALatentAttentionConfig's .*'head_dim'"):
+        load_config(str(both))
+
+
+def test_a_deeply_nested_json_file_is_a_value_error(tmp_path):
+    """Break-it 6: ``'[' * 100000`` raised a raw RecursionError."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ValueError, match=r"^config file .*deep.json' is not valid JSON: nested "
+                                         r"too deeply"):
+        load_config(str(path))
+
+
+def test_derived_sizes_past_int32_are_refused():
+    """Break-it 9: ``kv_lora_rank=2**31-1`` gave ``kernel_dk = 2**31 + 15``; V4's ``window_size
+    + compressed_topk`` could pass int32 too."""
+    with pytest.raises(ValueError, match=r"^MQALatentAttentionConfig: kernel_dk = kv_lora_rank "
+                                         r"\+ qk_rope_head_dim = 2147483663 must be at most "
+                                         r"2147483647 .* got kv_lora_rank=2147483647, "
+                                         r"qk_rope_head_dim=16"):
+        get_preset("deepseek_v32_small", kv_lora_rank=2**31 - 1)
+    with pytest.raises(ValueError, match=r"qk_nope_head_dim \+ qk_rope_head_dim = 2147483663"):
+        get_preset("deepseek_v32_small", qk_nope_head_dim=2**31 - 1)
+    with pytest.raises(ValueError, match=r"^DeepSeekV4AttentionConfig: the top-k width L = "
+                                         r"window_size \+ compressed_topk = 4294967294"):
+        get_preset("deepseek_v4_small", window_size=2**31 - 1, compressed_topk=2**31 - 1)
+    assert get_preset("deepseek_v32_small", kv_lora_rank=2**31 - 17).kernel_dk == 2**31 - 1
+
+
+def test_to_json_file_refuses_a_read_only_file(tmp_path):
+    """Break-it 10: a 0444 file was silently replaced (open(path, "w") refuses it)."""
+    path = tmp_path / "ro.json"
+    path.write_text("{}")
+    os.chmod(path, 0o444)
+    with pytest.raises(PermissionError, match=r"not writable.*ro.json"):
+        get_preset("deepseek_v32_small").to_json_file(path)
+    assert path.read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["ro.json"]
+
+
+def test_to_json_file_names_a_dangling_symlinks_target(tmp_path):
+    """Break-it 10: a dangling symlink's error named the hidden temporary file."""
+    link = tmp_path / "cfg.json"
+    os.symlink(tmp_path / "nowhere" / "x.json", link)
+    with pytest.raises(FileNotFoundError) as info:
+        get_preset("deepseek_v32_small").to_json_file(link)
+    text = str(info.value)
+    assert "nowhere" in text and str(link) in text and ".tmp" not in text
+    with pytest.raises(IsADirectoryError, match="over a folder"):
+        get_preset("deepseek_v32_small").to_json_file(tmp_path)

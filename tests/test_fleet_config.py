@@ -223,3 +223,22 @@ def test_one_rank_group_is_rank_0_of_it():
     assert group_rank(SimpleNamespace(rank=1, nranks=2, ranks=[0, 1])) == 1
     with pytest.raises(ValueError, match=r"not a member of the tensor-parallel group \(ranks \[3"):
         group_rank(SimpleNamespace(rank=-1, nranks=2, ranks=[3, 4]))
+
+
+def test_a_mapping_is_read_by_key():
+    """Break-it 7: a ``dict`` said "field hidden_size is missing or None".  A mapping of the
+    PaddleFleet names (a parsed config file) is now read by key, the same as the object."""
+    cfg = fleet(dsa_index_topk=64, tensor_model_parallel_size=2, rms_norm_eps=1e-6)
+    as_dict = dataclasses.asdict(cfg)
+    assert (MQALatentAttentionConfig.from_fleet_config(as_dict)
+            == MQALatentAttentionConfig.from_fleet_config(cfg))
+    assert MQALatentAttentionConfig.from_fleet_config(as_dict).tensor_parallel_degree == 2
+
+
+@pytest.mark.parametrize("config, shown", [(None, "None"), ("deepseek", "str"), (7, "int"),
+                                           ([1, 2], "list")])
+def test_a_value_that_is_no_config_is_a_type_error(config, shown):
+    """Break-it 7: ``None`` said "field hidden_size is missing or None"."""
+    with pytest.raises(TypeError, match=rf"^from_fleet_config: config: expected a PaddleFleet "
+                                        rf"TransformerConfig .* got {shown}"):
+        MQALatentAttentionConfig.from_fleet_config(config)

@@ -700,7 +700,9 @@ def test_providers_offer_the_protocol():
 def test_prepared_indices_are_checked_once_and_skip_every_check(fw, index_dtype, monkeypatch):
     """``check_inputs`` checks a forward's inputs once and returns the indices as the kernels
     read them (int32, ``L`` padded to a multiple of 64 with -1); the wrappers given that
-    ``PreparedIndices`` check and cast nothing, with the same results as on the tensor."""
+    ``PreparedIndices`` check no value and cast nothing (only the tensors' metadata, against
+    the sizes it was made for: one ``check_tensors`` a call), with the same results as on the
+    tensor."""
     q, kv, do, sk, idx = _case(fw, 1, 4, 64, 8, 70, True, seed=5, index_dtype=index_dtype)
     prov = CpuStandIn()
     prepared = interface.check_inputs(q, kv, idx, sk, provider=prov)
@@ -722,7 +724,34 @@ def test_prepared_indices_are_checked_once_and_skip_every_check(fw, index_dtype,
         if det:
             for a, b in zip((out, lse) + tuple(got), (want_out, want_lse) + tuple(want)):
                 np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
-    assert calls == []
+    assert calls == ["check_tensors"] * 3
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_prepared_indices_used_with_other_tensors_are_refused(fw):
+    """Break-it 2: a ``PreparedIndices`` was trusted whatever tensors came with it (its sizes
+    returned unchecked; on a GPU indices checked for one ``S_kv`` read against a smaller kv).
+    Each wrapper now checks the tensors' shapes against the ones it was made for."""
+    q, kv, do, sk, idx = _case(fw, 2, 4, 64, 8, 16, True, seed=7)
+    prov = CpuStandIn()
+    prepared = interface.check_inputs(q, kv, idx, sk, provider=prov)
+    out, lse = interface.mqa_latent_sparse_fwd(q, kv, prepared, SM, sk, provider=prov)
+    small_kv = kv[:, :32]
+    with pytest.raises(ValueError, match=r"^kv: shape \[2, 32, 576\] differs from the shape "
+                                         r"\[2, 64, 576\] the PreparedIndices"):
+        interface.mqa_latent_sparse_fwd(q, small_kv, prepared, SM, sk, provider=prov)
+    with pytest.raises(ValueError, match=r"^query: shape \[1, 4, 8, 576\] differs from the "
+                                         r"shape \[2, 4, 8, 576\]"):
+        interface.mqa_latent_sparse_fwd(q[:1], kv[:1], prepared, SM, sk, provider=prov)
+    with pytest.raises(ValueError, match=r"^attn_sink: shape \[4\] differs from the shape \[8\]"):
+        interface.mqa_latent_sparse_fwd(q, kv, prepared, SM, sk[:4], provider=prov)
+    with pytest.raises(ValueError, match=r"^kv: shape \[2, 32, 576\] differs"):
+        interface.mqa_latent_sparse_bwd(q, small_kv, out, do, lse, sk, prepared, SM,
+                                        provider=prov)
+    with pytest.raises(ValueError, match=r"^grad_out: shape \[2, 4, 8, 256\] differs from "
+                                         r"the shape \[2, 4, 8, 512\]"):
+        interface.mqa_latent_sparse_bwd(q, kv, out, do[..., :256], lse, sk, prepared, SM,
+                                        provider=prov)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

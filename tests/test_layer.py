@@ -267,6 +267,57 @@ def test_load_full_weights_refuses_weights_it_would_drop(rng):
     np.testing.assert_array_equal(layer.wo.numpy(), full["wo"])
 
 
+@pytest.mark.parametrize("weight, value, error, match", [
+    ("wo", lambda w: np.full_like(w, 1e300, dtype=np.float64), ValueError,
+     r"^load_full_weights: wo: expected finite values within the range of the parameter's "
+     r"float32, got \d+ NaN, infinite or out-of-range value\(s\) \(first: .*1e\+300"),
+    ("wo", lambda w: np.where(np.arange(w.size).reshape(w.shape) == 3, np.nan, w), ValueError,
+     r"^load_full_weights: wo: expected finite values .* got 1 NaN"),
+    ("wo", lambda w: np.full_like(w, -np.inf), ValueError,
+     r"^load_full_weights: wo: expected finite"),
+    ("wo", lambda w: w + 1j, TypeError,
+     r"^load_full_weights: wo: expected a real \(float, int or bool\) array, got dtype complex"),
+    ("wo", lambda w: w.tolist(), TypeError,
+     r"^load_full_weights: wo: expected a numpy array, got list"),
+    ("wo", lambda w: None, TypeError, r"^load_full_weights: wo: expected a numpy array, got None"),
+    ("attn_sink", lambda w: 1.0, TypeError,
+     r"^load_full_weights: attn_sink: expected a numpy array, got float")])
+def test_load_full_weights_refuses_values_it_cannot_load(rng, weight, value, error, match):
+    """Break-it 4: 1e300 (inf in fp32), NaN and complex values loaded silently; a list, None or
+    a float value raised a raw AttributeError.  Each is now refused, named, before anything is
+    written (the layer is shared by the V3.2 and V4 layers)."""
+    cfg, full, _, _, _ = _case(rng, heads=8, S=8, topk=4)
+    layer = MQALatentAttention(cfg)
+    before = {n: p.numpy().copy() for n, p in layer.named_parameters()}
+    bad = dict(full)
+    bad[weight] = value(full[weight])
+    with pytest.raises(error, match=match):
+        layer.load_full_weights(bad)
+    for name, p in layer.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), before[name], err_msg=name)
+
+
+@pytest.mark.parametrize("full", [None, [("wo", np.zeros(3))]])
+def test_load_full_weights_wants_a_mapping(full):
+    """Break-it 4: ``full=None`` raised a raw TypeError, a list "missing weight(s)"."""
+    layer = MQALatentAttention(get_preset("deepseek_v32_small"))
+    with pytest.raises(TypeError, match=r"^load_full_weights: full: expected a mapping of weight "
+                                        r"name -> numpy array, got (None|list)"):
+        layer.load_full_weights(full)
+
+
+def test_load_full_weights_refuses_values_past_a_half_parameter_range(rng):
+    """An fp32 value that a float16 parameter would hold as inf is refused for that dtype."""
+    cfg, full, _, _, _ = _case(rng, heads=8, S=8, topk=4)
+    layer = MQALatentAttention(cfg)
+    layer.to(dtype="float16")
+    bad = dict(full, wo=np.full_like(full["wo"], 1e5))
+    with pytest.raises(ValueError, match=r"^load_full_weights: wo: .* parameter's float16"):
+        layer.load_full_weights(bad)
+    layer.load_full_weights(dict(full, wo=np.full_like(full["wo"], 6e4)))
+    assert float(layer.wo.astype("float32").numpy().max()) == pytest.approx(6e4, rel=1e-3)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("how", ["default_dtype", "to"])
 def test_half_precision_layer_on_cpu_names_its_dtype(dtype, how):

@@ -14,8 +14,10 @@ error O(step^2 * f''') + O(eps / step) ~ 1e-9) 1e-6.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
+import paddle
 import pytest
 
 from helpers import Framework, extreme_logits_case, record_calls, rel_l2, requires_cuda
@@ -547,3 +549,89 @@ def test_each_reference_call_checks_once(paddle_fw, rng, monkeypatch):
     mqa_latent_sparse_bwd_ref(q, kv, out, do, lse, sink, idx, c["scale"])
     assert calls == ["check_tensors", "check_values"] * 2
 
+
+
+# --- a checks.PreparedIndices is checked against the tensors it comes with --------------------
+def _prepared_case(B=2, S=6, S_kv=16, H=4, Dk=16, d_v=8, L=3, seed=0):
+    from paddlefleet.tilelang_ops.attn.checks import prepare_indices
+    rng = np.random.default_rng(seed)
+    q = paddle.to_tensor(rng.standard_normal((B, S, H, Dk)).astype("float32"))
+    kv = paddle.to_tensor(rng.standard_normal((B, S_kv, Dk)).astype("float32"))
+    idx = paddle.to_tensor(rng.integers(0, S_kv, (B, S, L)).astype("int32"))
+    sk = paddle.to_tensor(rng.standard_normal(H).astype("float32"))
+    prepared = prepare_indices(check_tensors(q, kv, idx, attn_sink=sk, d_v=d_v), idx,
+                               attn_sink=sk)
+    return q, kv, idx, sk, prepared, rng
+
+
+def _randn(rng, *shape):
+    return paddle.to_tensor(rng.standard_normal(shape).astype("float32"))
+
+
+@pytest.mark.parametrize("which, shape, want", [
+    ("query", (1, 6, 4, 16), "[2, 6, 4, 16]"),   # other B: returned a [2, ...] output
+    ("query", (2, 6, 4, 32), "[2, 6, 4, 16]"),   # other Dk: accepted
+    ("query", (2, 3, 4, 16), "[2, 6, 4, 16]"),   # other S: an opaque einsum error
+    ("query", (2, 6, 2, 16), "[2, 6, 4, 16]"),   # other H: an opaque reshape error
+    ("kv", (2, 4, 16), "[2, 16, 16]"),           # smaller S_kv: a raw IndexError
+    ("attn_sink", (7,), "[4]")])
+def test_prepared_indices_with_other_tensors_are_refused(which, shape, want):
+    """Break-it 2: the reference trusted a ``PreparedIndices`` whatever tensors came with it."""
+    q, kv, _, sk, prepared, rng = _prepared_case()
+    args = dict(query=q, kv=kv, attn_sink=sk)
+    args[which] = _randn(rng, *shape)
+    if which == "query" and shape[0] == 1:
+        args["kv"] = _randn(rng, 1, 16, 16)
+    if which == "query" and shape[3] == 32:
+        args["kv"] = _randn(rng, 2, 16, 32)
+    msg = (rf"^{which}: shape \[{', '.join(map(str, shape))}\] differs from the shape "
+           rf"{re.escape(want)} the PreparedIndices")
+    with pytest.raises(ValueError, match=msg):
+        mqa_latent_sparse_fwd_ref(args["query"], args["kv"], prepared, 0.3, args["attn_sink"])
+    grad = _randn(rng, 2, 6, 4, 8)
+    with pytest.raises(ValueError, match=msg):
+        mqa_latent_sparse_bwd_ref(args["query"], args["kv"], None, grad, None,
+                                  args["attn_sink"], prepared, 0.3)
+
+
+def test_prepared_indices_still_get_the_value_checks():
+    """Break-it 2: a NaN sink passed with a ``PreparedIndices`` was accepted (and out-of-range
+    indices in a hand-made one read out of range): the reference checks the values as it does
+    for a plain tensor, and a ``grad_out`` of another ``Dv`` is named."""
+    from paddlefleet.tilelang_ops.attn.checks import PreparedIndices
+    q, kv, _, sk, prepared, rng = _prepared_case()
+    nan_sink = paddle.to_tensor(np.array([0.0, np.nan, 1.0, 2.0], np.float32))
+    with pytest.raises(ValueError,
+                       match=r"^attn_sink: expected finite values or -inf.* heads \[1\]"):
+        mqa_latent_sparse_fwd_ref(q, kv, prepared, 0.3, nan_sink)
+    with pytest.raises(ValueError, match=r"^attn_sink: expected finite values"):
+        mqa_latent_sparse_bwd_ref(q, kv, None, _randn(rng, 2, 6, 4, 8), None, nan_sink,
+                                  prepared, 0.3)
+    fake = PreparedIndices(prepared.dims, paddle.full([2, 6, 3], 99, "int32"))
+    with pytest.raises(ValueError, match=r"^token_indices: expected values -1 .* \[99, 99\]"):
+        mqa_latent_sparse_fwd_ref(q, kv, fake, 0.3, sk)
+    with pytest.raises(ValueError, match=r"^grad_out: shape \[2, 6, 4, 5\] differs from the "
+                                         r"shape \[2, 6, 4, 8\]"):
+        mqa_latent_sparse_bwd_ref(q, kv, None, _randn(rng, 2, 6, 4, 5), None, sk, prepared, 0.3)
+    # the prepared call still gives the plain call's values
+    out, lse = mqa_latent_sparse_fwd_ref(q, kv, prepared, 0.3, sk)
+    want, want_lse = mqa_latent_sparse_fwd_ref(q, kv, prepared.indices, 0.3, sk, d_v=8)
+    np.testing.assert_array_equal(out.numpy(), want.numpy())
+    np.testing.assert_array_equal(lse.numpy(), want_lse.numpy())
+
+
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
+def test_prepared_indices_are_a_copy_of_the_callers(idx_dtype):
+    """Break-it 3: ``prepare_indices`` kept an int32 input as the very same tensor, so a later
+    ``idx.set_value(...)`` (which Paddle does not version) changed what it had checked."""
+    from paddlefleet.tilelang_ops.attn.checks import prepare_indices
+    q, kv, _, sk, _, rng = _prepared_case()
+    idx = paddle.to_tensor(rng.integers(0, 16, (2, 6, 3)).astype(idx_dtype))
+    prepared = prepare_indices(check_tensors(q, kv, idx, attn_sink=sk, d_v=8), idx)
+    assert prepared.indices is not idx
+    before = prepared.indices.numpy().copy()
+    want = mqa_latent_sparse_fwd_ref(q, kv, prepared, 0.3, sk)[0].numpy()
+    idx.set_value(np.full((2, 6, 3), 15, idx_dtype))
+    np.testing.assert_array_equal(prepared.indices.numpy(), before)
+    np.testing.assert_array_equal(mqa_latent_sparse_fwd_ref(q, kv, prepared, 0.3, sk)[0].numpy(),
+                                  want)

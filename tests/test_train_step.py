@@ -309,6 +309,12 @@ def test_train_step_diverging_update_ends_with_one_line():
                             "(--seq-len), got 600"),
         (("--seq-len", "64", "--topk", "65"), "argument --topk: expected at most the sequence "
                                               "length 64 (--seq-len), got 65"),
+        # break-it 8: a raw numpy ArrayMemoryError traceback, after Paddle's import
+        (("--seq-len", "10000000000000"), "argument --seq-len: expected at most 2147483647"),
+        (("--batch", "3000000000"), "argument --batch: expected at most 2147483647"),
+        (("--seq-len", "2000000000", "--batch", "2000000000"),
+         "argument --seq-len: --batch 2000000000 x --seq-len 2000000000 x top-k 1 int32 "
+         "indices alone need"),
         (("--attention-partition", "rows"),
          "argument --attention-partition: invalid choice: 'rows'"),
         (("--inject-nan", "-1"), "argument --inject-nan: expected a step in [0, 5) (--steps 5), "
@@ -353,3 +359,13 @@ def test_train_step_config_errors(tmp_path):
     bad.write_text('{"hidden_size": 8}')
     res = _train_step("--config", str(bad))
     assert res.returncode != 0 and "missing required field" in res.stderr
+
+
+def test_train_step_deeply_nested_config_is_a_named_error(tmp_path):
+    """Break-it 6: a ``'[' * 100000`` --config file gave a raw RecursionError traceback."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    res = _train_step("--config", str(path), "--device", "cpu", timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert "is not valid JSON: nested too deeply" in res.stderr and str(path) in res.stderr
+    assert "Traceback" not in res.stderr

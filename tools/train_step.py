@@ -185,6 +185,7 @@ def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool | None) -> None:
         args.seq_len = total
     if args.seq_len is None and on_gpu is not None:
         args.seq_len = 4096 if on_gpu else 512
+    _check_sizes_fit(p, args)
     if args.topk is not None and args.seq_len is not None and args.topk > args.seq_len:
         # every slot past the sequence would be an empty (-1) slot: slower, nothing learned
         p.error(f"argument --topk: expected at most the sequence length {args.seq_len} "
@@ -193,6 +194,38 @@ def _resolve(p: argparse.ArgumentParser, args, on_gpu: bool | None) -> None:
     if args.inject_nan is not None and not 0 <= args.inject_nan < args.steps:
         p.error(f"argument --inject-nan: expected a step in [0, {args.steps}) (--steps "
                 f"{args.steps}), got {args.inject_nan}")
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _host_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_sizes_fit(p: argparse.ArgumentParser, args) -> None:
+    """Usage errors, before anything is allocated, for sizes that cannot run: a sequence past
+    int32 (the top-k indices are int32 key rows, and so is each tensor dimension), and a batch
+    whose int32 top-k indices alone (``4 * batch * seq_len * topk`` bytes, ``topk`` at least 1
+    where not given yet) would not fit in this machine's memory (numpy would otherwise fail
+    with a raw ArrayMemoryError deep in the step)."""
+    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
+        if value is not None and value > _INT32_MAX:
+            p.error(f"argument {flag}: expected at most {_INT32_MAX} (a tensor dimension; the "
+                    f"top-k indices are int32), got {value}")
+    if args.seq_len is None:
+        return
+    topk = args.topk or 1
+    need = 4 * args.batch * args.seq_len * topk
+    memory = _host_memory()
+    if memory is not None and need > memory:
+        p.error(f"argument --seq-len: --batch {args.batch} x --seq-len {args.seq_len} x top-k "
+                f"{topk} int32 indices alone need {need / 2**30:.1f} GiB, more than this "
+                f"machine's {memory / 2**30:.1f} GiB of memory")
 
 
 def _resolve_nproc(p: argparse.ArgumentParser, args) -> None:

@@ -115,6 +115,7 @@ def check_tensors(
     aux_float_dtypes: Iterable[str] = ("float32",),
     device: str | None = None,
     required: Iterable[str] = (),
+    prepared: "PreparedIndices | None" = None,
 ) -> Dims:
     """Check the tensors of a call (type, ndim, device, dtype, shapes; no values) and return
     their sizes.  Reads metadata only: no device sync.
@@ -136,6 +137,10 @@ def check_tensors(
         device: required device kind of every tensor (``"cuda"``, ``"cpu"``), or ``None``.
         required: names among ``"attn_sink"``, ``"out"``, ``"grad_out"``, ``"lse"`` that must
             not be ``None`` (``query``, ``kv`` and ``token_indices`` always must).
+        prepared: the :class:`PreparedIndices` these tensors are used with, or ``None``.
+            Given, ``token_indices`` is its ``indices`` (``L`` padded) and every tensor's shape
+            must be the one ``prepared.dims`` was made for (``d_v``: ``prepared.dims.Dv``);
+            checked after the dtypes, before the shapes' mutual agreement.
 
     Returns:
         :class:`Dims`.
@@ -144,8 +149,9 @@ def check_tensors(
         TypeError: a tensor argument is not a Paddle/PyTorch tensor, the tensors mix
             frameworks, a required tensor is ``None``, a dtype is not allowed, or ``d_v`` is
             not an int (``None`` without ``out`` or ``grad_out`` included).
-        ValueError: wrong ndim, device or shape, ``Dv`` out of ``[1, Dk]``, or an unknown name
-            in ``required``.
+        ValueError: wrong ndim, device or shape, ``Dv`` out of ``[1, Dk]``, an unknown name
+            in ``required``, or (``prepared``) a shape other than the one it was made for (the
+            argument and both shapes are named).
     """
     named = {"query": query, "kv": kv, "token_indices": token_indices, "attn_sink": attn_sink,
              "out": out, "grad_out": grad_out, "lse": lse}
@@ -154,6 +160,9 @@ def check_tensors(
     shapes = _check_ndims(ops, present)
     _check_device(ops, present, device)
     _check_dtypes(ops, present, float_dtypes, tuple(aux_float_dtypes))
+    if prepared is not None:
+        _check_prepared_shapes(shapes, prepared)
+        d_v = prepared.dims.Dv
     B, S, H, Dk, S_kv, L = _check_shapes(shapes)
     Dv = _check_value_width(shapes, d_v, B, S, H, Dk)
     return Dims(B=B, S=S, H=H, Dk=Dk, Dv=Dv, S_kv=S_kv, L=L)
@@ -227,6 +236,36 @@ def _check_dtypes(ops, present: dict, float_dtypes, aux_allowed: tuple) -> None:
     for name in ("attn_sink", "lse"):
         if name in dtypes and dtypes[name] not in aux_allowed:
             raise TypeError(f"{name}: expected dtype in {list(aux_allowed)}, got {dtypes[name]}")
+
+
+def _check_prepared_shapes(shapes: dict, prepared: "PreparedIndices") -> None:
+    """Step 5 with a :class:`PreparedIndices`: every tensor has the shape its ``dims`` were made
+    for.  A ``PreparedIndices`` holds indices checked against one call's sizes (``S_kv`` bounds
+    them); used with other tensors it would give a wrong-shaped answer or read out of range."""
+    if not isinstance(prepared, PreparedIndices) or not isinstance(prepared.dims, Dims):
+        raise TypeError(f"token_indices: expected a checks.PreparedIndices, got "
+                        f"{type_name(prepared)}")
+    d = prepared.dims
+    want = {"query": (d.B, d.S, d.H, d.Dk), "kv": (d.B, d.S_kv, d.Dk), "attn_sink": (d.H,),
+            "out": (d.B, d.S, d.H, d.Dv), "grad_out": (d.B, d.S, d.H, d.Dv),
+            "lse": (d.B, d.S, d.H)}
+    for name, shape in shapes.items():
+        if name == "token_indices":
+            ok = shape[:2] == (d.B, d.S) and shape[2] >= d.L
+            expected = f"[{d.B}, {d.S}, >= {d.L}]"
+        else:
+            ok = tuple(shape) == want[name]
+            expected = _fmt(want[name])
+        if not ok:
+            raise ValueError(
+                f"{name}: shape {_fmt(shape)} differs from the shape {expected} the "
+                f"PreparedIndices (token_indices) was made for ({_dims_text(d)}); prepare the "
+                f"indices for these tensors"
+            )
+
+
+def _dims_text(d: Dims) -> str:
+    return ", ".join(f"{k}={getattr(d, k)}" for k in ("B", "S", "H", "Dk", "Dv", "S_kv", "L"))
 
 
 def _check_shapes(shapes: dict) -> tuple:
@@ -594,7 +633,12 @@ class PreparedIndices:
     dims: the call's sizes (:class:`Dims`, ``L`` the top-k width as given).
     indices: ``[B, S, L_pad]`` int32, contiguous, every value ``-1`` or in ``[0, S_kv)``; the
         ``L_pad - L`` slots after ``L`` are ``-1`` (``L_pad``: ``L`` rounded up to the
-        ``pad_to`` of :func:`prepare_indices`).
+        ``pad_to`` of :func:`prepare_indices`).  Never the caller's tensor: a copy of it, so
+        that editing the caller's indices later changes nothing here.
+
+    Whoever accepts one (the reference, the kernels' wrappers) checks the tensors it comes with
+    against ``dims`` (``check_tensors(..., prepared=...)``, metadata only): indices checked for
+    one call's sizes are never used with another's.
     cu_seqlens: the checked host boundaries of packed documents (``numpy`` int64), or
         ``None``.
     """
@@ -625,6 +669,11 @@ def prepare_indices(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
     the safe int32 copy it makes), then with ``cu_seqlens`` :func:`check_packed`, then one
     cast to int32 (:func:`int32_indices`, padded with ``-1`` to a multiple of ``pad_to``).
 
+    The result never shares memory with ``token_indices``: where neither the cast, the padding
+    nor the safe copy made a new tensor (int32 input, ``L`` already a multiple of ``pad_to``),
+    the indices are copied, ``4 * B * S * L`` bytes on their device, held as long as the
+    :class:`PreparedIndices` is (by the op: until its backward).
+
     Args:
         dims: what :func:`check_tensors` returned for these tensors.
         token_indices: ``[B, S, L]`` int32/int64.
@@ -643,4 +692,10 @@ def prepare_indices(dims: Dims, token_indices: Any, *, attn_sink: Any = None,
     pending.finish()
     cu = None if cu_seqlens is None else check_packed(dims, token_indices, cu_seqlens)
     checked = token_indices if pending.indices is None else pending.indices
-    return PreparedIndices(dims, int32_indices(checked, pad_to), cu)
+    idx = int32_indices(checked, pad_to)
+    if idx is token_indices:
+        # Nothing was cast, padded or made safe: the caller's own buffer.  Keep a copy, so that
+        # a later write to it (``set_value``, ``copy_``, which Paddle does not version) cannot
+        # reach what was checked, nor the op's backward that reads these indices.
+        idx = idx.clone()
+    return PreparedIndices(dims, idx, cu)

@@ -20,6 +20,7 @@ The config is validated when it is built: a bad field raises ``ValueError`` nami
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import numbers
@@ -182,6 +183,15 @@ class _AttentionConfig:
                                                           f"a positive int{qualifier}"))
             self._store(name, value)
 
+    def _check_sum_fits(self, what: str, *names: str) -> None:
+        """A size derived as the sum of the (checked) sizes ``names`` is a tensor dimension too:
+        at most ``2**31 - 1``."""
+        total = sum(getattr(self, n) for n in names)
+        if total > _MAX_SIZE:
+            given = ", ".join(f"{n}={getattr(self, n)}" for n in names)
+            raise ValueError(f"{type(self).__name__}: {what} = {' + '.join(names)} = {total} "
+                             f"must be at most {_MAX_SIZE} (a tensor dimension), got {given}")
+
     def _check_divisible(self, name: str, by: str, why: str = "") -> None:
         """The size ``name`` a multiple of the size ``by`` (both checked sizes already)."""
         value, divisor = getattr(self, name), getattr(self, by)
@@ -256,11 +266,15 @@ class _AttentionConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
         """Build from a mapping; unknown keys raise ``ValueError`` naming them (a typo in a
-        JSON file should not be silently ignored)."""
+        JSON file should not be silently ignored), keys that are not strings ``TypeError``."""
         if not isinstance(data, Mapping):
             raise TypeError(
                 f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}"
             )
+        not_str = [k for k in data if not isinstance(k, str)]
+        if not_str:
+            raise TypeError(f"{cls.__name__}: field names must be strings, got key(s) "
+                            f"{', '.join(map(_short_repr, not_str))}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -298,11 +312,30 @@ class _AttentionConfig:
         its permission bits; a symlink keeps pointing where it did (its target is replaced).
 
         Raises:
-            OSError: the folder cannot be written.
+            OSError: the folder cannot be written; ``PermissionError`` where ``path`` exists and
+                is not writable, or has no write permission bit at all (a read-only file is
+                refused, as ``open(path, "w")`` refuses it, not replaced; also for root);
+                ``FileNotFoundError`` where the folder (for a symlink: of its target, which is
+                named) does not exist; ``IsADirectoryError`` for a folder.  Each names
+                ``path``, never the temporary file.
         """
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        target = os.path.realpath(os.fspath(path))
+        given = os.fspath(path)
+        target = os.path.realpath(given)
         folder, base = os.path.split(target)
+        via = "" if target == os.path.abspath(given) else f" (a symlink to {target!r})"
+        if os.path.isdir(target):
+            raise IsADirectoryError(errno.EISDIR, f"cannot write a config file over a "
+                                                  f"folder{via}", given)
+        if os.path.exists(target) and not (
+                os.access(target, os.W_OK)
+                and os.stat(target).st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)):
+            # no write bit at all: read-only by intent, also for root (whom os.access lets by)
+            raise PermissionError(errno.EACCES, f"the config file{via} is not writable; it is "
+                                                f"left as it is", given)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(errno.ENOENT, f"no folder {folder!r} to write the config "
+                                                  f"file in{via}", given)
         tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
         try:
             # 0o666 less the umask, as open(path, "w") would give a new file
@@ -393,6 +426,8 @@ class MQALatentAttentionConfig(_AttentionConfig):
         self._check_sizes(*_POSITIVE_INT_FIELDS)
         if self.qk_rope_head_dim % 2:
             self._refuse("qk_rope_head_dim", "even (rotary pairs)")
+        self._check_sum_fits("kernel_dk", "kv_lora_rank", "qk_rope_head_dim")
+        self._check_sum_fits("the query/key head width", "qk_nope_head_dim", "qk_rope_head_dim")
         self._check_divisible("num_attention_heads", "tensor_parallel_degree")
         self._check_shared_options()
 
@@ -425,6 +460,21 @@ class MQALatentAttentionConfig(_AttentionConfig):
 
 class _FieldGivenTwice(ValueError):
     pass
+
+
+def _config_class(path, fields: dict):
+    """The config class a file's fields describe (:func:`load_config`)."""
+    v3 = {f.name for f in dataclasses.fields(MQALatentAttentionConfig)}
+    v4 = {f.name for f in dataclasses.fields(_v4().DeepSeekV4AttentionConfig)}
+    names = {k for k in fields if isinstance(k, str)}
+    only_v3, only_v4 = sorted(names & (v3 - v4)), sorted(names & (v4 - v3))
+    if only_v3 and only_v4:
+        raise ValueError(
+            f"config file {os.fspath(path)!r} mixes the fields of both configs: {only_v3} are "
+            f"MQALatentAttentionConfig's (DeepSeek-V3.2) only, {only_v4} "
+            f"DeepSeekV4AttentionConfig's only"
+        )
+    return _v4().DeepSeekV4AttentionConfig if only_v4 else MQALatentAttentionConfig
 
 
 def _from_file_data(cls, path, data: dict, overrides: dict):
@@ -464,6 +514,9 @@ def _read_json_object(path: str | os.PathLike) -> dict:
         data = json.loads(text, object_pairs_hook=no_duplicates)
     except _FieldGivenTwice:
         raise
+    except RecursionError:
+        raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: nested too deeply "
+                         f"(a config is one flat JSON object)") from None
     except ValueError as e:
         # JSONDecodeError, and the ValueError of an integer literal over Python's
         # int-to-str digit limit (4300 digits), which json.loads does not wrap
@@ -532,12 +585,16 @@ def get_preset(name: str, **overrides):
 
 def load_config(name_or_path: str | os.PathLike, **overrides):
     """A preset name or a path to a JSON file (a JSON object of config fields, e.g. written by
-    :meth:`MQALatentAttentionConfig.to_json_file`), fields overridable.  A file with a
-    ``compress_ratio`` field is a DeepSeek-V4 block's (:class:`~.v4_config.DeepSeekV4AttentionConfig`).
+    :meth:`MQALatentAttentionConfig.to_json_file`), fields overridable.  The file's fields (and
+    the overrides) pick the class: a field only :class:`~.v4_config.DeepSeekV4AttentionConfig`
+    has (``head_dim``, ``window_size``, ``compress_ratio``, ...) makes it a DeepSeek-V4 block's,
+    a field only :class:`MQALatentAttentionConfig` has (``kv_lora_rank``, ``index_topk``, ...)
+    a V3.2 layer's, and fields of both are an error; shared fields only: V3.2's.
 
     Raises:
-        ValueError: neither a preset nor a file; malformed JSON (naming the file); an unknown,
-            missing or invalid field (overrides included; the same error for both sources).
+        ValueError: neither a preset nor a file; malformed JSON (naming the file); fields of
+            both configs (each side's named); an unknown, missing or invalid field (overrides
+            included; the same error for both sources).
         OSError: the file cannot be read.
     """
     s = os.fspath(name_or_path)
@@ -545,10 +602,7 @@ def load_config(name_or_path: str | os.PathLike, **overrides):
         return get_preset(s, **overrides)
     if os.path.isfile(s):
         data = _read_json_object(s)
-        # a DeepSeek-V4 block's file names its compress_ratio, a field only that config has
-        cls = (_v4().DeepSeekV4AttentionConfig if "compress_ratio" in data
-               else MQALatentAttentionConfig)
-        return _from_file_data(cls, s, data, overrides)
+        return _from_file_data(_config_class(s, {**data, **overrides}), s, data, overrides)
     raise ValueError(
         f"config {s!r} is neither a preset ({sorted(PRESETS) + sorted(_v4().PRESETS)}) nor "
         f"an existing JSON file"

@@ -5,7 +5,8 @@ PaddleFleet (github.com/PaddlePaddle/PaddleFleet) describes a model with one
 ``ModelParallelConfig`` included).  :func:`from_fleet_config` reads the fields that describe its
 absorbed-MQA sparse attention layer (``transformer/mqa_latent_attention.py``, the ``-2`` layers
 of a DeepSeek model) with ``getattr``, so any object carrying those attribute names works: the
-real config, a dataclass, a ``types.SimpleNamespace``.  The mapping (also docs/layer.md):
+real config, a dataclass, a ``types.SimpleNamespace``; a mapping (a ``dict`` of the same names,
+e.g. a parsed config file) is read by key.  The mapping (also docs/layer.md):
 
 ======================================================  ==========================================
 PaddleFleet field                                       ``MQALatentAttentionConfig`` field
@@ -68,9 +69,13 @@ PaddleFleet config at all.
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import types
+from collections.abc import Mapping
 from typing import Any
 
+from .adapter import type_name
 from .config import (
     _SIZE_EXPECTED,
     _as_choice,
@@ -114,6 +119,21 @@ def _get(config, name: str):
     """``config.name``, or ``_MISSING`` when absent or ``None`` (PaddleFleet's "unset")."""
     value = getattr(config, name, None)
     return _MISSING if value is None else value
+
+
+def _as_config_object(config):
+    """``config`` as an object read with ``getattr``: a mapping becomes a namespace of its
+    string keys; a value that cannot be a config is a ``TypeError`` (its sizes would otherwise
+    be reported "missing", which hides the real mistake)."""
+    if isinstance(config, Mapping):
+        return types.SimpleNamespace(**{k: v for k, v in config.items() if isinstance(k, str)})
+    if config is None or isinstance(config, (str, bytes, numbers.Number, list, tuple, set)):
+        raise TypeError(
+            f"from_fleet_config: config: expected a PaddleFleet TransformerConfig (an object "
+            f"with its field names as attributes, or a mapping of them), got "
+            f"{type_name(config)}"
+        )
+    return config
 
 
 def _refuse(field: str, expected: str, value):
@@ -239,8 +259,9 @@ def from_fleet_config(config: Any, *, cls=None, **overrides):
     with its field names), mapped as the module docstring's table says.
 
     Args:
-        config: the PaddleFleet config; read with ``getattr`` only.  A field that is absent or
-            ``None`` takes this package's default (a size has none and must be present).
+        config: the PaddleFleet config; read with ``getattr`` only, or a mapping (``dict``)
+            read by key (its string keys, as attributes).  A field that is absent or ``None``
+            takes this package's default (a size has none and must be present).
         cls: the config class to build (``MQALatentAttentionConfig`` by default; the classmethod
             ``MQALatentAttentionConfig.from_fleet_config`` passes its own class).
         **overrides: ``MQALatentAttentionConfig`` fields, e.g. ``backward_backend="reference"``
@@ -248,6 +269,7 @@ def from_fleet_config(config: Any, *, cls=None, **overrides):
             an overridden field is not read from ``config``.
 
     Raises:
+        TypeError: ``config`` is ``None``, a string, a number or a list/tuple (no config).
         ValueError: a PaddleFleet field of the wrong type or value (the message names the
             PaddleFleet field), a missing size, ``softmax_type="off-by-one"``,
             ``mqa_sparse_attn_backward_backend="cudnn"``, different ``rope_theta`` and
@@ -257,6 +279,7 @@ def from_fleet_config(config: Any, *, cls=None, **overrides):
     """
     if cls is None:
         from .config import MQALatentAttentionConfig as cls
+    config = _as_config_object(config)
     values, sources = {}, {}
     for name in ("hidden_size", *_HYBRID_SIZES, "index_topk"):
         if name not in overrides:

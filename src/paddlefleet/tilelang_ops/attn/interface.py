@@ -159,11 +159,15 @@ class _Indices:
 
 
 def _checked(query, kv, token_indices, attn_sink, check_indices, provider, **kw):
-    """``(dims, indices)``: the sizes and the :class:`_Indices` of a wrapper call; a
-    ``PreparedIndices`` (:func:`check_inputs`) is taken as checked (only ``check_indices``
-    must still be a bool)."""
+    """``(dims, indices)``: the sizes and the :class:`_Indices` of a wrapper call.  With a
+    ``PreparedIndices`` (:func:`check_inputs`) the tensors' metadata is checked against the
+    sizes it was made for (no device sync: indices checked for one ``S_kv`` would otherwise be
+    read against another kv) and its values are taken as checked: :func:`check_inputs`
+    checked the indices and the sink it was given, and ``lse`` is the forward's."""
     check = _check_bool(check_indices, "check_indices")
     if isinstance(token_indices, PreparedIndices):
+        _check_tensors(query, kv, token_indices.indices, attn_sink, provider,
+                       prepared=token_indices, **kw)
         return token_indices.dims, _Indices(token_indices)
     dims = _check_tensors(query, kv, token_indices, attn_sink, provider, **kw)
     lse = kw.get("lse")
@@ -213,8 +217,10 @@ def mqa_latent_sparse_fwd(
         kv: ``[B, S_kv, Dk]`` bf16; the value is ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` = empty slot (never dereferenced),
             else in ``[0, S_kv)``; any ``L >= 1``.  Or the ``checks.PreparedIndices`` that
-            :func:`check_inputs` returned for these tensors: then nothing is checked again
-            (``d_v`` and ``check_indices`` are not used).
+            :func:`check_inputs` returned for these tensors: then the tensors' metadata is
+            checked against the sizes it was made for (``ValueError`` naming the tensor and
+            both shapes; no device sync) and no value again (``d_v`` and ``check_indices`` are
+            not used; pass the ``attn_sink`` it was prepared with, whose values it checked).
         sm_scale: positive float multiplying ``q.k`` (not the sink).
         attn_sink: ``[H]`` fp32 sink logits, or ``None``.
         d_v: value width ``Dv``; the kernels are built for ``(Dk, Dv) = (576, 512)``.
@@ -288,9 +294,9 @@ def mqa_latent_sparse_bwd(
             Never guessed; the bridge is ``docs/conventions.md``.
         attn_sink: ``[H]`` fp32 or ``None`` (no sink: ``d_sink`` is zeros).
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` = empty slot, else in ``[0, S_kv)``;
-            or the ``checks.PreparedIndices`` of the forward (:func:`check_inputs`): then no
-            tensor is checked (``out`` and ``lse`` must be that forward's, ``grad_out`` bf16 in
-            ``out``'s shape).
+            or the ``checks.PreparedIndices`` of the forward (:func:`check_inputs`): then the
+            tensors' metadata is checked against the sizes it was made for, and no value
+            (``out`` and ``lse`` must be that forward's, ``attn_sink`` the one prepared with).
         sm_scale: positive float.
         block_h: 16, 32 or ``None`` (see :func:`mqa_latent_sparse_fwd`).
         deterministic: ``True``: ``dq``, ``dkv``, ``d_sink`` bitwise identical across calls and

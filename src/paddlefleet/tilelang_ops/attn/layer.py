@@ -71,6 +71,7 @@ an fp64 layer uses them in float64.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import numpy as np
 import paddle
@@ -182,6 +183,46 @@ def init_full_weights(config: MQALatentAttentionConfig, seed: int = 0) -> dict:
     return _init_weights(config, seed, 0, 1)
 
 
+def _weight_array(name: str, value) -> np.ndarray:
+    """A weight given to ``load_full_weights`` as a real host array (a ``paddle.Tensor`` is read
+    back; bf16/fp16 through fp32, which holds them exactly)."""
+    if isinstance(value, paddle.Tensor):
+        if value.dtype not in (paddle.float32, paddle.float64) and value.is_floating_point():
+            value = value.astype("float32")
+        value = value.numpy()
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"load_full_weights: {name}: expected a numpy array, got "
+                        f"{type_name(value)}")
+    if value.dtype.kind not in "biuf":
+        raise TypeError(f"load_full_weights: {name}: expected a real (float, int or bool) "
+                        f"array, got dtype {value.dtype}")
+    return value
+
+
+#: the largest finite value of each parameter dtype (numpy has no bfloat16)
+_DTYPE_MAX = {paddle.float64: float(np.finfo(np.float64).max),
+              paddle.float32: float(np.finfo(np.float32).max),
+              paddle.float16: float(np.finfo(np.float16).max),
+              paddle.bfloat16: 3.3895313892515355e38}
+
+
+def _in_range(name: str, value: np.ndarray, dtype) -> np.ndarray:
+    """``value`` in the host dtype it is loaded through (fp64 for an fp64 parameter, else
+    fp32), refused where it is NaN, infinite or beyond ``dtype``'s largest finite value (it
+    would load as inf)."""
+    host = np.float64 if dtype == paddle.float64 else np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        wide = np.asarray(value, dtype=np.float64)
+        bad = ~(np.abs(wide) <= _DTYPE_MAX.get(dtype, _DTYPE_MAX[paddle.float32]))
+    if bad.any():
+        raise ValueError(
+            f"load_full_weights: {name}: expected finite values within the range of the "
+            f"parameter's {str(dtype).rsplit('.', 1)[-1]}, got {int(bad.sum())} NaN, infinite "
+            f"or out-of-range value(s) (first: {wide[bad].ravel()[0]!r})"
+        )
+    return np.asarray(value, dtype=host)
+
+
 def shard_of(name: str, full: np.ndarray, rank: int, world_size: int, axes=None) -> np.ndarray:
     """This rank's slice of a full parameter (or of its gradient); replicated ones whole.
     ``axes``: the split axis of each per-rank parameter, :data:`SHARD_AXIS` by default."""
@@ -271,12 +312,23 @@ class _TensorParallelAttention(paddle.nn.Layer):
         Every key of ``full`` must be a parameter of this layer and every parameter must be
         given: a weight this layer would drop (a trained ``attn_sink`` loaded into a
         ``use_attn_sink=False`` layer, a misspelled name) is an error, not a silent loss.
+        Each value is a real ``numpy.ndarray`` (float, int or bool; a ``paddle.Tensor`` is
+        read back to the host) whose values are finite in the parameter's dtype.
         Everything is checked before any parameter is written.
 
+        Not versioned by Paddle: loading between an op's forward and its backward is not
+        detected and gives wrong gradients (``op.mqa_latent_sparse_attention``).
+
         Raises:
-            ValueError: missing, unknown or unused keys (each named), or a slice whose shape
-                differs from its parameter's.
+            TypeError: ``full`` not a mapping, a value that is not an array (a list, ``None``,
+                a float), or an array of complex, string or object dtype (the weight named).
+            ValueError: missing, unknown or unused keys (each named), a slice whose shape
+                differs from its parameter's, or a value that is NaN, infinite or beyond the
+                parameter dtype's range (``1e300`` into fp32: the weight and its count named).
         """
+        if not isinstance(full, Mapping):
+            raise TypeError(f"load_full_weights: full: expected a mapping of weight name -> "
+                            f"numpy array, got {type_name(full)}")
         params = dict(self.named_parameters())
         missing = [name for name in params if name not in full]
         if missing:
@@ -291,7 +343,9 @@ class _TensorParallelAttention(paddle.nn.Layer):
             )
         values = {}
         for name, param in params.items():
-            value = shard_of(name, full[name], self.tp_rank, self.tp_size, self.shard_axis)
+            # the whole weight is checked, not this rank's slice: every rank refuses alike
+            full_value = _in_range(name, _weight_array(name, full[name]), param.dtype)
+            value = shard_of(name, full_value, self.tp_rank, self.tp_size, self.shard_axis)
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_full_weights: {name} slice has shape {list(value.shape)}, parameter "
@@ -302,9 +356,7 @@ class _TensorParallelAttention(paddle.nn.Layer):
             # cast in Paddle to the parameter's dtype (numpy has no bf16: param.numpy() is
             # uint16 there) without reading the parameter back to the host; an fp64 parameter
             # takes the value in fp64 (not through fp32)
-            host = np.float64 if param.dtype == paddle.float64 else np.float32
-            param.set_value(paddle.to_tensor(np.asarray(values[name], dtype=host))
-                            .astype(param.dtype))
+            param.set_value(paddle.to_tensor(values[name]).astype(param.dtype))
 
     def _sink(self):
         """The sink logits in fp32, the op's sink dtype (``layer.to(dtype=...)`` casts them

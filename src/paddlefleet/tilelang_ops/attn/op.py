@@ -14,8 +14,10 @@ recomputed.  The math is docs/conventions.md; the exact definition is ``attn/ref
 Inputs are checked once, when the op is called (on CUDA with the kernel wrapper's rules,
 ``interface.check_inputs``), into a ``checks.PreparedIndices`` (the checked int32 indices, the
 sizes, the checked ``cu_seqlens``) that the forward saves for the backward; both hand it to the
-public wrappers / reference in place of ``token_indices``, which then check nothing again.  The
-backward refuses to run on inputs edited in place after the forward (as Paddle's own ops do).
+public wrappers / reference in place of ``token_indices``.  Its indices are the op's own copy,
+so the backward never reads the caller's index tensor.  The backward refuses to run on
+``query``, ``kv``, ``attn_sink`` edited in place after the forward by an op that Paddle versions
+(as Paddle's own ops do; writes Paddle does not version cannot be seen, see the op's docstring).
 
 The kernel module is imported lazily, on the CUDA path only, so CPU-only installs work.
 """
@@ -43,8 +45,10 @@ __all__ = [
 
 #: Paddle's switch for deterministic GPU kernels, which ``deterministic=None`` follows.
 DETERMINISM_FLAG = "FLAGS_cudnn_deterministic"
-# gflags' spellings of true (Paddle reads FLAGS_* from the environment with gflags)
+# gflags' spellings of a bool (Paddle reads FLAGS_* from the environment with gflags, which
+# refuses anything else): matched case-insensitively
 _TRUE = ("1", "true", "t", "yes", "y")
+_FALSE = ("0", "false", "f", "no", "n")
 
 
 def resolve_backward_backend(backward_backend: str | None, device_kind: str) -> str:
@@ -75,13 +79,30 @@ def _determinism_flag() -> bool | None:
     """``FLAGS_cudnn_deterministic`` where the user set it, else ``None``: its value
     (``paddle.get_flags``) when true, or when false and given in the environment (Paddle cannot
     tell a ``False`` set with ``paddle.set_flags`` from the flag's default).  Paddle's CPU
-    builds register no cuDNN flag: there the environment variable is read as Paddle would."""
+    builds register no cuDNN flag: there the environment variable is read as gflags reads it
+    (:func:`_env_flag`)."""
     env = os.environ.get(DETERMINISM_FLAG)
+    if env is not None and not env.strip():
+        env = None  # set but empty: as unset
     try:
         value = bool(paddle.get_flags([DETERMINISM_FLAG])[DETERMINISM_FLAG])
     except ValueError:  # "cannot get its value": a build without the flag
-        return None if env is None else env.strip().lower() in _TRUE
+        value = None
+    if value is None:  # read outside the except: an unreadable value's error stands alone
+        return None if env is None else _env_flag(env)
     return value if value or env is not None else None
+
+
+def _env_flag(env: str) -> bool:
+    """gflags' reading of a bool flag's environment value: t/f, true/false, y/n, yes/no, 1/0,
+    any case (surrounding spaces ignored); anything else is an error, as gflags makes it."""
+    word = env.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(
+        f"{DETERMINISM_FLAG}={env!r} in the environment: expected a bool as gflags reads it "
+        f"(1/0, true/false, t/f, yes/no, y/n, any case)"
+    )
 
 
 def resolve_deterministic(deterministic: bool | None) -> bool:
@@ -90,19 +111,21 @@ def resolve_deterministic(deterministic: bool | None) -> bool:
 
     ``None`` follows Paddle's ``FLAGS_cudnn_deterministic`` where the user set it (true: set
     with ``paddle.set_flags`` or in the environment; false: in the environment), else ``True``,
-    this package's default.
+    this package's default.  A ``numpy.bool_`` is taken by value (as the configs take it).
 
     Raises:
-        TypeError: not a Python bool or ``None``.
+        TypeError: not a bool (Python's or numpy's) or ``None``.
+        ValueError: ``None`` and ``FLAGS_cudnn_deterministic`` in the environment holds no bool
+            gflags accepts (the variable and its value are named; empty counts as unset).
     """
     if deterministic is None:
         flag = _determinism_flag()
         return True if flag is None else flag
-    if not isinstance(deterministic, bool):
+    if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(
             f"deterministic: expected True, False or None, got {type_name(deterministic)}"
         )
-    return deterministic
+    return bool(deterministic)
 
 
 # --- the call's one input check; plain forward / backward ------------------------------------
@@ -160,7 +183,7 @@ def _backward(backend, deterministic, prepared, query, kv, out, grad_out, lse, a
 
 
 # --- PyLayer ---------------------------------------------------------------------------------
-_READ_BY_BACKWARD = ("query", "kv", "token_indices", "attn_sink")
+_READ_BY_BACKWARD = ("query", "kv", "attn_sink")
 
 
 class MQALatentSparseAttentionFunction(PyLayer):
@@ -173,9 +196,11 @@ class MQALatentSparseAttentionFunction(PyLayer):
     always get ``None``), so the backward returns ``None`` for each input that was not
     differentiable at forward time and returns nothing for an absent sink.
 
-    The backward reads the inputs the forward saved (and, on the TileLang path, ``out``): it
-    raises if any of them was edited in place since (``Tensor._inplace_version``), where it
-    would silently give wrong gradients or read an index out of range.
+    The backward reads ``query``, ``kv``, ``attn_sink`` as the forward saved them (and, on the
+    TileLang path, ``out``): it raises if any of them was edited in place since by an op Paddle
+    versions (``Tensor._inplace_version``), where it would silently give wrong gradients.  The
+    indices it reads are the ``PreparedIndices``' own copy, never ``token_indices`` itself, so
+    ``token_indices`` is neither saved nor watched.
     """
 
     @staticmethod
@@ -192,19 +217,18 @@ class MQALatentSparseAttentionFunction(PyLayer):
             not kv.stop_gradient,
             attn_sink is not None and not attn_sink.stop_gradient,
         )
-        watched = dict(zip(_READ_BY_BACKWARD, (query, kv, token_indices, attn_sink)))
+        watched = dict(zip(_READ_BY_BACKWARD, (query, kv, attn_sink)))
         if backend == "tilelang":  # the kernels' backward reads out (Delta); the reference not
             watched["out"] = out
         ctx.versions = {name: t._inplace_version() for name, t in watched.items()
                         if t is not None}
-        ctx.save_for_backward(query, kv, token_indices, out, lse, attn_sink)
+        ctx.save_for_backward(query, kv, out, lse, attn_sink)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, kv, token_indices, out, lse, attn_sink = ctx.saved_tensor()
-        _check_versions(ctx.versions, dict(query=query, kv=kv, token_indices=token_indices,
-                                           attn_sink=attn_sink, out=out))
+        query, kv, out, lse, attn_sink = ctx.saved_tensor()
+        _check_versions(ctx.versions, dict(query=query, kv=kv, attn_sink=attn_sink, out=out))
         dq, dkv, d_sink = _backward(ctx.backend, ctx.deterministic, ctx.prepared, query, kv,
                                     out, grad_out, lse, attn_sink, ctx.sm_scale)
         need_q, need_kv, need_sink = ctx.needs_grad
@@ -271,7 +295,10 @@ def mqa_latent_sparse_attention(
         token_indices: ``[B, S, L]`` int32/int64 top-k key rows, ``-1`` = empty slot.  Causality
             is carried by the indices (the op applies no mask).  A paddle.Tensor, or a numpy
             int32/int64 array (as ``indices.causal_topk_indices`` returns), copied once to
-            ``query``'s place.
+            ``query``'s place.  The forward keeps its own checked int32 copy for the backward
+            (``4 * B * S * L`` bytes on ``query``'s place until the backward; an int64 input is
+            cast into it anyway), so editing ``token_indices`` after the forward, by any means,
+            does not change the gradients.
         sm_scale: multiplies ``q.k`` (not the sink), e.g. ``(qk_nope + qk_rope) ** -0.5``;
             finite and ``> 0`` (also in float32) on every device.
         attn_sink: ``[H]`` fp32 per-head sink logits, or ``None``; finite or ``-inf`` (that
@@ -327,7 +354,8 @@ def mqa_latent_sparse_attention(
             on CUDA with the kernel wrapper's rules, so ``TypeError`` for non-bf16 inputs),
             ``sm_scale`` not finite and ``> 0``, an unknown ``backward_backend``, or
             ``"tilelang"`` on CPU tensors, ``deterministic`` not a bool or ``None``
-            (``TypeError``).  On CUDA also (from the kernel's forward, whatever
+            (``TypeError``), or ``None`` with an unreadable ``FLAGS_cudnn_deterministic`` in
+            the environment (``ValueError``).  On CUDA also (from the kernel's forward, whatever
             ``backward_backend``): ``ValueError`` for ``(Dk, Dv) != (576, 512)``.
             With ``cu_seqlens``: ``TypeError`` when it is not an int32 tensor/array;
             ``ValueError`` when it is not 1-D with >= 2 entries, does not start at 0, decreases,
@@ -335,10 +363,17 @@ def mqa_latent_sparse_attention(
             outside its query's document (the message names the first such row).
 
     Gradients: ``dq`` in ``query``'s dtype, ``dkv`` in ``kv``'s dtype, ``d_sink`` fp32 (zero
-    contribution from rows whose weight is all on the sink); see docs/conventions.md.  The
-    backward raises (Paddle reports it as an ``OSError`` naming the tensor) if ``query``,
-    ``kv``, ``token_indices``, ``attn_sink`` or, on the TileLang path, ``out`` was modified by
-    an inplace operation after the forward: it reads them.
+    contribution from rows whose weight is all on the sink); see docs/conventions.md.
+
+    In-place edits between the forward and the backward: the backward reads ``query``, ``kv``,
+    ``attn_sink`` and, on the TileLang path, ``out`` as they are then.  An edit by one of
+    Paddle's in-place ops, those that bump the tensor's inplace version (``add_``, ``scale_``,
+    ``fill_``, ``zero_``, setitem ``t[i] = v``, ``paddle.assign(x, output=t)``, ...), makes the
+    backward raise (Paddle reports it as an ``OSError`` naming the tensor).  Writes that Paddle
+    does not version (``Tensor.set_value``, ``Tensor.copy_``, an optimizer's update of a
+    parameter, a layer's ``load_full_weights``) cannot be detected, as with Paddle's own ops, and
+    give wrong gradients: do not edit these inputs between the forward and the backward.
+    ``token_indices`` may be edited freely (the forward keeps its own copy).
     """
     sm_scale = check_sm_scale(sm_scale)
     if framework_of(query) != "paddle":

@@ -20,7 +20,6 @@ Public functions:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from .adapter import ops_for
@@ -115,11 +114,21 @@ def _chunk_probs(ops, q_c, kv_c, idx_c, sink_c, sm_scale, dims):
     return kv_g, safe, P, lse, p_sink
 
 
-def _prepared(token_indices):
-    """``(dims, indices)`` of a ``checks.PreparedIndices`` (checked once by its maker: the op);
-    ``L`` is the width of its indices (the kernels' padding with ``-1`` included)."""
-    idx = token_indices.indices
-    return dataclasses.replace(token_indices.dims, L=ops_for(idx).shape(idx)[-1]), idx
+def _checked(query, kv, token_indices, attn_sink, **kw):
+    """``(dims, indices)`` of a call, checked: the tensors' metadata (``checks.check_tensors``;
+    with a ``checks.PreparedIndices``, against the sizes it was made for, ``L`` then the width
+    of its indices, the kernels' ``-1`` padding included), then the values (index range, sink:
+    ``checks.check_values``; a prepared call checks them again, which costs two reductions
+    next to the attention itself and keeps a sink other than the one prepared from passing
+    unchecked)."""
+    prepared = token_indices if isinstance(token_indices, PreparedIndices) else None
+    if prepared is not None:
+        kw.pop("d_v", None)  # the prepared Dv
+        token_indices = prepared.indices
+    dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, float_dtypes=_REF_FLOATS,
+                         aux_float_dtypes=_REF_AUX, prepared=prepared, **kw)
+    check_values(dims, token_indices, attn_sink=attn_sink)
+    return dims, token_indices
 
 
 def _cast_kv_sink(ops, kv, attn_sink, dtype):
@@ -142,7 +151,9 @@ def mqa_latent_sparse_fwd_ref(
         kv: ``[B, S_kv, Dk]`` same dtype as ``query``; the value is ``kv[..., :d_v]``.
         token_indices: ``[B, S, L]`` int32/int64, ``-1`` for an empty slot, else in
             ``[0, S_kv)``; or a ``checks.PreparedIndices`` made for these tensors (the op's
-            path): then nothing but ``sm_scale`` and ``dtype`` is checked (``d_v`` not used).
+            path): their shapes must be those it was made for (``ValueError`` naming the
+            tensor and both shapes), ``Dv`` is its ``dims.Dv`` (``d_v`` not used), and the
+            values (index range, sink) are checked as for a tensor.
         sm_scale: multiplies ``q.k`` only (not the sink); finite and ``> 0``, also in float32
             (:func:`checks.check_sm_scale`).  Applied to the query before the dot product, so
             a raw ``q.k`` beyond the dtype's range does not overflow where the logits are
@@ -163,12 +174,7 @@ def mqa_latent_sparse_fwd_ref(
         :func:`checks.check_values` (index range and sink values are always checked here);
         ``sm_scale`` not a finite real ``> 0``; ``dtype`` not ``"float32"``/``"float64"``.
     """
-    if isinstance(token_indices, PreparedIndices):
-        dims, token_indices = _prepared(token_indices)
-    else:
-        dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, d_v=d_v,
-                             float_dtypes=_REF_FLOATS, aux_float_dtypes=_REF_AUX)
-        check_values(dims, token_indices, attn_sink=attn_sink)
+    dims, token_indices = _checked(query, kv, token_indices, attn_sink, d_v=d_v)
     return _fwd(dims, query, kv, token_indices, check_sm_scale(sm_scale), attn_sink,
                 check_compute_dtype(dtype))
 
@@ -226,8 +232,9 @@ def mqa_latent_sparse_bwd_ref(
             both in ``dtype`` from ``query`` and ``kv``, so its gradient is the exact one and
             does not inherit the rounding (or errors) of a given ``out``/``lse``.
         attn_sink, token_indices, sm_scale: as in :func:`mqa_latent_sparse_fwd_ref`
-            (``attn_sink`` may be ``None``; with a ``PreparedIndices`` no tensor is checked:
-            ``grad_out`` must be in the forward output's shape).
+            (``attn_sink`` may be ``None``; with a ``PreparedIndices`` every tensor is checked
+            as without one, against the sizes it was made for: ``grad_out`` in the forward
+            output's shape).
         dtype: compute and output dtype, ``"float32"`` or ``"float64"`` (keyword only).
 
     Returns:
@@ -240,14 +247,9 @@ def mqa_latent_sparse_bwd_ref(
         ``lse`` checks (type, framework, device, dtype, shape; a ``grad_out`` whose shape
         differs from ``out``'s is named).
     """
-    if isinstance(token_indices, PreparedIndices):
-        dims, token_indices = _prepared(token_indices)
-    else:
-        # out and lse: type, device, dtype and shape only (their values are not used).
-        dims = check_tensors(query, kv, token_indices, attn_sink=attn_sink, out=out,
-                             grad_out=grad_out, lse=lse, float_dtypes=_REF_FLOATS,
-                             aux_float_dtypes=_REF_AUX, required=("grad_out",))
-        check_values(dims, token_indices, attn_sink=attn_sink)
+    # out and lse: type, device, dtype and shape only (their values are not used).
+    dims, token_indices = _checked(query, kv, token_indices, attn_sink, out=out,
+                                   grad_out=grad_out, lse=lse, required=("grad_out",))
     return _bwd(dims, query, kv, grad_out, attn_sink, token_indices, check_sm_scale(sm_scale),
                 check_compute_dtype(dtype))
 

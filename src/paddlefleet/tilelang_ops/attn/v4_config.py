@@ -112,6 +112,7 @@ class DeepSeekV4AttentionConfig(_AttentionConfig):
         if self.compress_ratio == 4:
             self._check_sizes("compressed_topk",
                               qualifier=" with compress_ratio=4, the indexer's top-k")
+            self._check_sum_fits("the top-k width L", "window_size", "compressed_topk")
         elif self.compressed_topk is not None:
             self._refuse("compressed_topk", f"None with compress_ratio={self.compress_ratio!r} "
                                             "(only ratio-4 layers pick their compressed keys)")
