@@ -235,8 +235,9 @@ def _backward_backend(config):
         raise ValueError(
             "PaddleFleet config field mqa_sparse_attn_backward_backend='cudnn' (PaddleFleet's "
             "default) selects cuDNN's backward, which accumulates dKV with atomics and is not "
-            "run-to-run reproducible; this package provides the deterministic TileLang backward "
-            "only: set mqa_sparse_attn_backward_backend='tilelang', or pass backward_backend= "
+            "run-to-run reproducible; this package has no cuDNN backward, its own is TileLang's "
+            "(deterministic, or atomic with deterministic=False): set "
+            "mqa_sparse_attn_backward_backend='tilelang', or pass backward_backend= "
             "('tilelang', 'reference' or None) to from_fleet_config")
     return _BACKWARD_BACKENDS[_choice(value, "mqa_sparse_attn_backward_backend",
                                       ("cudnn", *_BACKWARD_BACKENDS))]
