@@ -71,6 +71,23 @@ def test_train_step_one_step_is_singular_and_the_header_names_the_split():
     assert re.search(r"^done: 1 step, loss [0-9.]+ -> [0-9.]+$", res.stdout, re.M), res.stdout
 
 
+@pytest.mark.parametrize("flag,env,want", [
+    ([], {}, "True"),                                    # the package's default
+    (["--no-deterministic"], {}, "False"),               # the option overrides the config
+    ([], {"FLAGS_cudnn_deterministic": "0"}, "False"),   # None follows Paddle's flag
+    (["--deterministic"], {"FLAGS_cudnn_deterministic": "0"}, "True"),
+])
+def test_train_step_deterministic_option_and_header(flag, env, want, monkeypatch):
+    """Fresh-user review: the main job can choose the backward's determinism and its header
+    says which one runs (resolved: the option, else the config, else Paddle's flag)."""
+    monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = _train_step("--config", "deepseek_v32_small", "--steps", "1", "--seq-len", "16", *flag)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"backward reference (deterministic {want})," in res.stdout, res.stdout
+
+
 def test_train_step_packed_documents():
     """--doc-lens: one row of packed documents (an empty one too), per-document indices, the
     layer given cu_seqlens; the loss falls as without packing."""

@@ -125,6 +125,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: deepseek_v32 on a GPU, deepseek_v32_small on CPU)")
     p.add_argument("--backward-backend", choices=("tilelang", "reference"), default=None,
                    help="override the config's backward_backend (default: the config's)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="override the config's deterministic: --deterministic for the bitwise "
+                        "repeatable TileLang backward, --no-deterministic for the atomic one "
+                        "(default: the config's; None there follows FLAGS_cudnn_deterministic, "
+                        "else on; the CPU reference backward is deterministic either way)")
     p.add_argument("--attention-partition", choices=("heads", "sequence"), default=None,
                    help="override the config's attention_partition: split the attention core "
                         "over the --nproc ranks by heads, or by query rows with all heads per "
@@ -357,6 +362,8 @@ def _load_config(args, on_gpu: bool | None, world: int):
         overrides["backward_backend"] = args.backward_backend
     if args.attention_partition is not None:
         overrides["attention_partition"] = args.attention_partition
+    if args.deterministic is not None:
+        overrides["deterministic"] = args.deterministic
     name = args.config or ("deepseek_v32" if on_gpu else "deepseek_v32_small")
     try:
         cfg = load_config(name, **overrides)
@@ -424,6 +431,7 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
         varlen_causal_topk_indices,
     )
     from paddlefleet.tilelang_ops.attn.layer import MQALatentAttention
+    from paddlefleet.tilelang_ops.attn.op import resolve_deterministic
 
     on_gpu = _use_gpu(args.device)
     _resolve(p, args, on_gpu)
@@ -470,7 +478,8 @@ def train(p: argparse.ArgumentParser, args, stop: StopSignals | None = None) -> 
         split = f"{cfg.heads_per_rank} per rank x TP {world}"
     log(f"config {name}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads} "
         f"({split}), Dk {cfg.kernel_dk}, Dv {cfg.kernel_dv}, "
-        f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'}, "
+        f"sink {cfg.use_attn_sink}, backward {cfg.backward_backend or 'auto'} "
+        f"(deterministic {resolve_deterministic(cfg.deterministic)}), "
         f"attention partition {cfg.attention_partition}, device {'gpu' if on_gpu else 'cpu'}")
 
     if v4:
