@@ -472,7 +472,7 @@ def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
     it walked each busy row once, with its own count (every other row's ``idx2`` holds slots
     that a count read for the wrong row would add).  One chunk of 256 rows per CTA only: the
     walk's later chunks (more than 33,792 rows per batch) are checked by the lowering test."""
-    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import RERUN_CTAS as C
+    from paddlefleet.tilelang_ops.attn.kernels.bwd_main import RERUN_CTAS as C
 
     case = dict(B=1, S=300, S_kv=400, H=64, L=96, sink=True)
     q, kv, do, sink, idx = _inputs(case, 5)
@@ -523,10 +523,11 @@ class _FirstPassCapture(interface.TileLangKernels if cuda_available() else objec
                  dq, acc, bound, bound_exp):
         args = (q, kv, do, idx, lse2, delta, scale, inv_grid, counts, dq, acc, bound, bound_exp)
         if self.one_role and m == 64 and with_dq:
-            from paddlefleet.tilelang_ops.attn.kernels import main_args
+            from paddlefleet.tilelang_ops.attn.kernels.schedule import bwd_schedule
 
-            # threads, stages, 128-column transposed chunks: the one-role 64-head schedule
-            key = ("bwd_main",) + main_args(m, mode, True) + (256, 1, 128, True, False)
+            # a BwdSchedule picks the one-role kernel (bwd_main): 64-head transposed chunks
+            key = ("bwd_main", m, int(q.shape[-1]), int(do.shape[-1]), mode == "exact", True,
+                   bwd_schedule(m))
             self._kernel(key)(*args)
         else:
             super().bwd_main(m, mode, with_dq, *args)

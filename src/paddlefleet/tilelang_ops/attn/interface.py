@@ -177,7 +177,8 @@ class TileLangKernels:
                  scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
         from .kernels import main_args
 
-        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), int(q.shape[-1]),
+        key = ("bwd_main",) + main_args(heads_per_cta, mode == "exact", bool(with_dq),
+                                        int(q.shape[-1]),
                                         int(grad_out.shape[-1]), fused=pre is not None,
                                         natural=pre is None or pre.natural)
         args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
