@@ -923,21 +923,11 @@ def _ragged_indices(rng, B, S, S_kv, L):
     return idx
 
 
-class _FullWalkForward(interface.TileLangKernels if cuda_available() else object):
-    """The shipped kernels, except the 64-head forward walks every key block in row order
-    (``row_extent=False``)."""
-
-    def fwd(self, m, q, kv, idx, sink, scale, out, lse):
-        if m != 64:
-            return super().fwd(m, q, kv, idx, sink, scale, out, lse)
-        self._kernel(("fwd", 64, DK, DV, 64, 256, 1, True, False))(q, kv, idx, sink, scale, out,
-                                                                  lse)
-
-
 def test_ragged_rows_forward():
     """Rows whose keys end early, with holes: the 64-head forward, which stops after a row's
-    last key (and walks the rows last-first), gives the reference's out and lse and bitwise the
-    same as the kernel that walks every block."""
+    last key (and walks the rows last-first), gives the reference's out and lse.  (Its bitwise
+    comparison with a build that walked every block went with that build's knob,
+    ``row_extent=False``.)"""
     B, S, S_kv, H, L = 2, 48, 900, 64, 640
     rng = np.random.default_rng(11)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -949,9 +939,6 @@ def test_ragged_rows_forward():
                                                provider=GuardedKernels())
     ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
     assert rel_l2(out.float(), ref_out) < TOL and rel_l2(lse, ref_lse) < TOL
-    full_out, full_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink,
-                                                         provider=_FullWalkForward())
-    assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
 
 
 def test_rows_without_keys_give_zero_and_inf():
