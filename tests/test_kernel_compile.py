@@ -23,11 +23,15 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from paddlefleet.tilelang_ops import settings
+from paddlefleet.tilelang_ops.attn.kernels import main_args, pre_args
+from paddlefleet.tilelang_ops.attn.kernels.schedule import (TwoWarpgroupSchedule, bwd_schedule,
+                                                             fwd_schedule, two_warpgroup_schedule)
 
 pytestmark = pytest.mark.skipif(
     settings.tilelang_flavour() is None or importlib.util.find_spec("tilelang") is None,
@@ -39,16 +43,25 @@ SMEM_LIMIT = 232448  # bytes of dynamic shared memory per block on H100/H200
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "src/paddlefleet/tilelang_ops/attn/kernels"
 
 
+#: one lowering per (specialisation, effective pass configs) and process: several tests read the
+#: same kernel (the natural-log preprocess alone takes a minute of CPU)
 _CACHE = {}
 
 
 def _lower(name, args, pass_configs=None):
-    key = (name, args, None if pass_configs is None else tuple(sorted(pass_configs.items())))
-    if key not in _CACHE:
-        from paddlefleet.tilelang_ops.attn.kernels import lower
+    from paddlefleet.tilelang_ops.attn import kernels
 
-        _CACHE[key] = lower(name, args, pass_configs)
+    cfg = kernels._jit(name, args).pass_configs if pass_configs is None else pass_configs
+    key = (name, args, tuple(sorted(cfg.items())))
+    if key not in _CACHE:
+        _CACHE[key] = kernels.lower(name, args, pass_configs)
     return _CACHE[key]
+
+
+def _named(name, args):
+    from paddlefleet.tilelang_ops.attn import kernels
+
+    return kernels.named(name, args)
 
 
 def _smem(art):
@@ -66,17 +79,21 @@ def _layout(art):
 def _specs():
     from paddlefleet.tilelang_ops.attn import kernels
 
-    want = [("fwd", 64), ("bwd_main", (64, "exact", True)), ("bwd_main", (64, "exact", False)),
-            ("bwd_main", (16, "atomic", True)), ("bwd_main", (64, "atomic", True, True, True)),
-            ("bwd_main", (64, "atomic", True, True, False)), ("bwd_pre", True)]
+    # bwd_main: (tile, deterministic, with dQ) and, fused, (fused, natural)
+    want = [("fwd", 64), ("bwd_main", (64, True, True)), ("bwd_main", (64, True, False)),
+            ("bwd_main", (16, False, True)), ("bwd_main", (64, False, True, True, True)),
+            ("bwd_main", (64, False, True, True, False)), ("bwd_pre", True)]
 
     def tag(name, args):
-        if name == "bwd_pre":  # natural
-            return name, args[1]
-        # bwd_main: (tile, mode, with dQ) and, fused, (fused, natural)
-        fused_at = 6 + len(kernels.MAIN_KNOB_DEFAULTS)  # after the key block and the knobs
-        return (name, args[0] if name == "fwd" else (args[0], args[3], args[4]) + args[fused_at:]
-                if name == "bwd_main" else None)
+        a = kernels.named(name, args)
+        if name == "bwd_pre":
+            return name, a["natural"]
+        if name == "fwd":
+            return name, a["heads_per_cta"]
+        if name == "bwd_main":
+            fused = (True, a["natural"]) if a.get("fused") else ()
+            return name, (a["heads_per_cta"], a["deterministic"], a["with_dq"]) + fused
+        return name, None
 
     by_tag = {tag(n, a): (n, a) for n, a in kernels.specs()}
     return [by_tag[w] for w in want]  # in this order: the first three go through nvcc
@@ -98,8 +115,10 @@ def _grid_specs():
 
 
 GRID_SPECS = _grid_specs() if settings.tilelang_flavour() is not None else []
-MAIN64 = ("bwd_main", (64, 576, 512, "exact", True, 32))
-RERUN64 = ("bwd_main", (64, 576, 512, "exact", False, 32))
+MAIN64 = ("bwd_main", main_args(64, True, True))
+RERUN64 = ("bwd_main", main_args(64, True, False))
+#: the 64-head atomic first pass as the wrappers launch it: the preprocess fused in
+MAIN64_ATOMIC = ("bwd_main", main_args(64, False, True, fused=True))
 
 
 def test_settings_keep_the_merge_off():
@@ -124,41 +143,45 @@ def test_every_kernel_takes_the_shared_pass_configs():
 
 
 def _spec_id(name, args):
-    # fused first passes end in (fused, natural) after the key block and the schedule knobs
-    from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS
-
-    fused = args[6 + len(MAIN_KNOB_DEFAULTS):] if name == "bwd_main" else ()
-    return ("_".join(map(str, (name,) + (args if name == "bwd_pre" else args[:1] + args[3:5])))
-            + (("_fused_natural" if fused[1] else "_fused_log2") if fused else ""))
+    a = _named(name, args)
+    if name == "bwd_pre":
+        return f"{name}_{a['d_v']}_{a['natural']}"
+    parts = [name, str(a["heads_per_cta"])]
+    if name == "bwd_main":
+        parts += ["exact" if a["deterministic"] else "atomic", str(a["with_dq"])]
+        if a.get("fused"):
+            parts.append("fused_natural" if a["natural"] else "fused_log2")
+    return "_".join(parts)
 
 
 @pytest.mark.parametrize("name, args", SPECS, ids=[_spec_id(n, a) for n, a in SPECS])
 def test_kernel_lowers_for_sm90a(name, args):
     art = _lower(name, args)
     src = art.kernel_source
+    a = _named(name, args)
     assert "__global__" in src
     assert _smem(art) <= SMEM_LIMIT
-    if name in ("fwd", "bwd_main") and args[0] == 64:
+    if name in ("fwd", "bwd_main") and a["heads_per_cta"] == 64:
         assert "wgmma" in src, "the 64-head kernels should use Hopper wgmma"
     _assert_register_handover(src)
     if name == "bwd_main":
         # 16-byte atomics; the atomic mode's 64-head first pass as predicated reds (pred_red)
-        red = args[0] == 64 and args[3] == "atomic" and args[4]
+        red = a["heads_per_cta"] == 64 and not a["deterministic"] and a["with_dq"]
         assert ("pf_red_add_v4_if((" if red else "AtomicAddx4((") in src, (
             "the vectorised dKV scatter is missing")
         assert ("AtomicAddx4((" in src) != red, "one form of dKV atomic per kernel"
-        exact = args[3] == "exact"
+        exact = a["deterministic"]
         # the exact mode rounds onto the key's grid and proves its bound with int64 adds
         assert ("nearbyintf" in src) == exact and ("Bound" in src) == exact
-        assert ("dQ + " in src) == args[4], "dQ is written by the first pass only"
-        if not args[4]:
+        assert ("dQ + " in src) == a["with_dq"], "dQ is written by the first pass only"
+        if not a["with_dq"]:
             # the re-run reads a row's slots only in its ceil(Counts / BK) key blocks, none at
             # Counts = 0: rerun_slots writes a row's Idx2 only up to the end of the block of its
             # last re-run slot and leaves the rows of batches without a re-run key unwritten.
             # On its fixed grid a CTA loads the Counts of up to 256 of its rows (bx + (c 256 +
             # tx) RERUN_CTAS: bounds-checked) into shared memory, ORs them > 0 with one barrier
             # and walks those rows only if one is set, each from its shared count
-            bk = args[5]
+            bk = a["schedule"].block_k
             assert re.search(rf"int num_blocks = \(\(cnt_s\[r\] \+ {bk - 1}\) >> "
                              rf"{bk.bit_length() - 1}\);", src)
             assert _guarded(src, "Counts[", ["((c * 256) + ((int)threadIdx.x)) < "],
@@ -203,7 +226,7 @@ def test_forward_consumers_take_alternate_blocks():
     producer = src[src.index("warpgroup_reg_dealloc"):]
     assert producer.count("Indices[") == 2
     assert re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src) == ["224", "224", "56"]
-    src216 = _lower(name, args + (64, 256, 1, True, True, 216)).kernel_source
+    src216 = _lower(name, args + (replace(fwd_schedule(), consumer_regs=216),)).kernel_source
     assert re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src216) == ["216", "216", "72"]
 
 
@@ -232,11 +255,8 @@ def test_named_barriers_belong_to_one_role(kernel):
     into the producer the id of warpgroup 0's own).  The shipped kernels' TileLang barriers:
     3 in warpgroup 0, 4 in the forward's warpgroup 1, none in the forward's producer or the
     backward's warpgroup 1 (code before the roles split is not looked at)."""
-    from paddlefleet.tilelang_ops.attn.kernels import main_args
-
     name, args = {"fwd64": ("fwd", (64, 576, 512)), "main64_exact": MAIN64,
-                  "main64_atomic_fused": ("bwd_main", main_args(64, "atomic", True, fused=True))
-                  }[kernel]
+                  "main64_atomic_fused": MAIN64_ATOMIC}[kernel]
     src = _lower(name, args).kernel_source
     roles = _role_barrier_ids(src)
     assert len(roles) == (3 if name == "fwd" else 2)
@@ -258,11 +278,8 @@ def test_head_tiles_come_by_tma(kernel):
     would release early (a short count) or never (a long one)."""
     import re
 
-    from paddlefleet.tilelang_ops.attn.kernels import main_args
-
     name, args = {"fwd64": ("fwd", (64, 576, 512)), "main64_exact": MAIN64,
-                  "main64_atomic_fused": ("bwd_main", main_args(64, "atomic", True, fused=True))
-                  }[kernel]
+                  "main64_atomic_fused": MAIN64_ATOMIC}[kernel]
     src = _lower(name, args).kernel_source
     tiles = ("Q",) if name == "fwd" else ("Q", "dO")
     for t in tiles:
@@ -273,27 +290,6 @@ def test_head_tiles_come_by_tma(kernel):
     assert not re.search(r"cp_async_gs<16>\([^;]*\(&\((Q|dO)\[", src)
 
 
-def test_timeline_diagnostics_stay_out_of_the_shipped_kernels():
-    """The ``timeline`` knobs (tools/experiments/fwd_timeline.py, bwd_timeline.py) stamp SM cycles
-    into ``Lse`` (forward) or ``DSink`` (the fused backward); off, the kernels read no clock.
-    The backward's needs ``DSink``, so the unfused (exact) kernel refuses it."""
-    from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS, main_args, sparse_bwd
-
-    fwd = _lower("fwd", (64, 576, 512)).kernel_source
-    fwd_t = _lower("fwd", (64, 576, 512, 64, 256, 1, None, True, 224, True)).kernel_source
-    assert "clock64" not in fwd and "pf_smid" not in fwd
-    assert fwd_t.count("clock64()") >= 17 and "pf_smid()" in fwd_t
-    args = main_args(64, "atomic", True, fused=True)
-    knobs = slice(6, 6 + len(MAIN_KNOB_DEFAULTS))
-    assert args[knobs][-1] is None  # timeline: the last knob, off
-    bwd = _lower("bwd_main", args).kernel_source
-    bwd_t = _lower("bwd_main", args[:knobs.stop - 1] + (True,) + args[knobs.stop:]).kernel_source
-    assert "clock64" not in bwd
-    assert bwd_t.count("clock64()") >= 14 and "DSink[" in bwd_t
-    with pytest.raises(AssertionError, match="timeline"):
-        sparse_bwd._two_warpgroups(64, 576, 512, "exact", fused=False, timeline=True)
-
-
 @pytest.mark.parametrize("regs", [160, 220, 248])
 def test_forward_consumer_regs_outside_the_register_file_are_refused(regs):
     """``consumer_regs`` below 168 (the launch's share) or above 240 (a producer below 24) or off
@@ -302,7 +298,7 @@ def test_forward_consumer_regs_outside_the_register_file_are_refused(regs):
     from paddlefleet.tilelang_ops.attn.kernels import sparse_fwd
 
     with pytest.raises(AssertionError, match="consumer_regs"):
-        sparse_fwd._warp_specialized(64, 576, 512, 64, True, regs)
+        sparse_fwd._warp_specialized(64, 576, 512, replace(fwd_schedule(), consumer_regs=regs))
 
 
 def _guarded(src, access, guards, before=600):
@@ -436,7 +432,7 @@ def test_compiled_kernel_has_the_merge_off(name, args):
     default = _lower(name, args)
     explicit_off = _lower(name, args, settings.pass_configs(**{MERGE: False}))
     assert _layout(default) == _layout(explicit_off)
-    if args[4] is False:
+    if not _named(name, args)["with_dq"]:
         forced_on = _lower(name, args, settings.pass_configs(**{MERGE: True}))
         assert _layout(default) != _layout(forced_on), (
             "the shared-memory layout does not depend on the merge setting: is it still applied?"
@@ -452,21 +448,23 @@ def test_compiled_kernel_has_the_merge_off(name, args):
 def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     """The 64-head first pass adds each 64-column dKV chunk from the accumulator of the
     warpgroup that computed it, at the permuted columns of ``tiling.dkv_column``, with the
-    16-byte atomics (``sparse_bwd.two_warpgroup_schedule``).  Exact mode: two chunks on
+    16-byte atomics (``schedule.two_warpgroup_schedule``).  Exact mode: two chunks on
     warpgroup 0 (the right half's last, the rope tail), the left half's loop and the right
     half's on warpgroup 1, each lane's own float4s (four lanes per key row).  Atomic mode: the
     rope tail on warpgroup 0, warpgroup 1's eight chunks unrolled over two accumulators
     (``overlap``), eight lanes per key row (lanes ``t`` and ``t ^ 4`` trade half of their
     float4s, and each other's slot).  A dropped or misplaced scatter leaves a wrong dKV and no
     error.  The two warpgroups synchronise through mbarriers and 128-thread named barriers only:
-    a CTA-wide barrier inside one warpgroup's branch would hang."""
-    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
-
-    schedule = two_warpgroup_schedule(mode)
-    assert schedule == ((2, False, False, 4, False) if mode == "exact"
-                        else (1, True, False, 8, True))
-    wg0_chunks, overlap, _, row_lanes, pred_red = schedule
-    src = _lower("bwd_main", (64, 576, 512, mode, True, 32)).kernel_source
+    a CTA-wide barrier inside one warpgroup's branch would hang.  (The kernels as the wrappers
+    launch them: the atomic one with the preprocess fused.)"""
+    name, args = MAIN64 if mode == "exact" else MAIN64_ATOMIC
+    schedule = _named(name, args)["schedule"]
+    assert schedule == two_warpgroup_schedule(mode == "exact")
+    assert schedule == (TwoWarpgroupSchedule(2, False, 4, False) if mode == "exact"
+                        else TwoWarpgroupSchedule(1, True, 8, True))
+    wg0_chunks, overlap = schedule.wg0_chunks, schedule.overlap
+    row_lanes, pred_red = schedule.row_lanes, schedule.pred_red
+    src = _lower(name, args).kernel_source
     branch = src.index("if (((int)threadIdx.x) < 128)")
     wg1 = src.index("pds_full[0].wait(")
 
@@ -475,7 +473,7 @@ def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
 
     sites = [m.start() for m in re.finditer(r"AtomicAddx4\(\(&\(dKV_acc\[|pf_red_add_v4_if\(\(",
                                             src)]
-    # the atomic mode's are predicated reds (no branch around them, sparse_bwd.RED_V4_SRC):
+    # the atomic mode's are predicated reds (no branch around them, ptx.RED_V4_SRC):
     # predicate and address from the same row (-1 and rows past S_kv add nothing), the offset
     # from the batch's first row
     red = (r"pf_red_add_v4_if\(\(\(0 <= (row_\d+)\) && \(\1 < S_kv\)\), \(&\(dKV_acc\[\(\(\(\("
@@ -601,56 +599,54 @@ def test_lowered_source_compiles_to_cubin(name, args, tmp_path):
 
 
 def test_two_warpgroup_schedule_defaults_by_mode():
-    """``sparse_bwd.two_warpgroup_schedule``: the atomic mode overlaps its dKV chunks with the
+    """``schedule.two_warpgroup_schedule``: the atomic mode overlaps its dKV chunks with the
     rope tail on warpgroup 0 and eight lanes per row, the exact mode keeps two chunks there, one
-    accumulator and four lanes; the atomic mode's atomics are predicated ``red`` instructions
-    (docs/performance.md, runs 86-87, 91).  A knob that leaves warpgroup
-    0 no chunk (``wg0_chunks=0`` or ``w1_right``) turns the overlap's default off instead of
-    building a kernel that the overlap's assert refuses (a review found ``wg0_chunks=0`` alone
-    refused in the atomic mode)."""
-    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import two_warpgroup_schedule
-
-    assert two_warpgroup_schedule("atomic") == (1, True, False, 8, True)
-    assert two_warpgroup_schedule("exact") == (2, False, False, 4, False)
-    assert two_warpgroup_schedule("atomic", wg0_chunks=0) == (0, False, False, 8, True)
-    assert two_warpgroup_schedule("atomic", w1_right=True) == (0, False, True, 8, True)
-    assert two_warpgroup_schedule("atomic", overlap=False) == (0, False, False, 8, True)
-    assert two_warpgroup_schedule("exact", row_lanes=8, overlap=True) == (2, True, False, 8, False)
-    assert two_warpgroup_schedule("exact", pred_red=True)[4] is True
-    assert two_warpgroup_schedule("atomic", pred_red=False)[4] is False
+    accumulator and four lanes; the atomic mode's atomics are predicated ``red`` instructions.
+    A record that leaves warpgroup 0 no chunk (the overlapped list would end in the rope tail,
+    which gave a wrong dKV) or another lane count is refused; the main kernels' arguments
+    carry the records (``kernels.main_args``)."""
+    assert two_warpgroup_schedule(False) == TwoWarpgroupSchedule(
+        wg0_chunks=1, overlap=True, row_lanes=8, pred_red=True)
+    assert two_warpgroup_schedule(True) == TwoWarpgroupSchedule(
+        wg0_chunks=2, overlap=False, row_lanes=4, pred_red=False)
+    with pytest.raises(ValueError, match="wg0_chunks"):
+        TwoWarpgroupSchedule(wg0_chunks=0, overlap=False, row_lanes=8, pred_red=True)
+    with pytest.raises(ValueError, match="row_lanes"):
+        TwoWarpgroupSchedule(wg0_chunks=1, overlap=True, row_lanes=2, pred_red=True)
+    assert main_args(64, True, True)[-3:] == (two_warpgroup_schedule(True), False, True)
+    for m in (16, 32, 64):  # the one-role kernel: the 16- and 32-head tiles, every re-run
+        assert main_args(m, True, False)[-1] == bwd_schedule(m)
+    assert bwd_schedule(64).dkv_transposed and not bwd_schedule(32).dkv_transposed
+    assert (bwd_schedule(16).block_k, bwd_schedule(32).block_k) == (64, 32)
 
 
 def test_main_args_reach_the_fused_parameters():
-    """``kernels.main_args(..., fused=True)`` fills the schedule knobs with their defaults so
-    that its last two values are ``sparse_bwd.main``'s ``fused`` and ``natural``; without it
-    the arguments are those of before (the unfused kernels' cache keys)."""
-    import inspect
+    """``kernels.main_args(..., fused=True)`` gives the two-warpgroup kernel's ``fused`` and
+    ``natural`` (by name: ``kernels.named``); a head tile whose first pass has no fused
+    prologue, or a re-run, is refused instead of building a kernel without it."""
+    from paddlefleet.tilelang_ops.attn import kernels
 
-    from paddlefleet.tilelang_ops.attn.kernels import MAIN_KNOB_DEFAULTS, main_args, sparse_bwd
-
-    params = list(inspect.signature(sparse_bwd.main.func).parameters)
     for natural in (True, False):
-        args = main_args(64, "atomic", True, fused=True, natural=natural)
-        assert dict(zip(params, args))["fused"] is True
-        assert dict(zip(params, args))["natural"] is natural and len(args) == len(params)
-        knobs = slice(6, 6 + len(MAIN_KNOB_DEFAULTS))  # every schedule knob at its default
-        for name, value in zip(params[knobs], args[knobs]):
-            assert inspect.signature(sparse_bwd.main.func).parameters[name].default == value
-    assert main_args(64, "atomic", True) == (64, 576, 512, "atomic", True, 32)
+        got = kernels.named("bwd_main", main_args(64, False, True, fused=True, natural=natural))
+        assert got["fused"] is True and got["natural"] is natural
+        assert got["deterministic"] is False and got["with_dq"] is True
+        assert got["schedule"] == two_warpgroup_schedule(False)
+    assert main_args(16, False, True) == (16, 576, 512, False, True, bwd_schedule(16))
+    for m, with_dq in ((32, True), (64, False)):
+        with pytest.raises(ValueError, match="fused"):
+            main_args(m, False, with_dq, fused=True)
 
 
 @pytest.mark.parametrize("mode, natural", [("atomic", True), ("exact", False)])
 def test_fused_prologue_computes_the_rows_in_the_kernel(mode, natural):
-    """``sparse_bwd._two_warpgroups(fused=True)``: the preprocess's rows in the prologue.  The
+    """``bwd_two_warpgroups.main(fused=True)``: the preprocess's rows in the prologue.  The
     kernel takes O, Lse, Sink and writes DSink, Delta and Lse2 (no longer const inputs); each
     thread's O row piece is loaded in 16-byte vectors before the query tile's wait (guarded by
     the real head count), multiplied with dO from shared memory after it, summed by a two-step
     butterfly, and lane 0 of each row writes the three values; one CTA barrier before the
     warpgroups split, none after; warpgroup 0 reads Lse2 / Delta from shared memory.  Lowers in
     both modes (the exact one is not launched yet), within the shared-memory cap."""
-    from paddlefleet.tilelang_ops.attn.kernels import main_args
-
-    art = _lower("bwd_main", main_args(64, mode, True, fused=True, natural=natural))
+    art = _lower("bwd_main", main_args(64, mode == "exact", True, fused=True, natural=natural))
     src = art.kernel_source
     assert _smem(art) <= SMEM_LIMIT
     sig = _signature(src, "sparse_bwd_two_wg")
@@ -681,24 +677,6 @@ def test_fused_prologue_computes_the_rows_in_the_kernel(mode, natural):
     assert ("nearbyintf" in src) == (mode == "exact")
 
 
-def test_w1_right_moves_the_right_gather_to_warpgroup_1():
-    """``w1_right`` (``sparse_bwd._two_warpgroups``): warpgroup 1 adds dQ's rope tail and
-    gathers the next block's right half and rope tail right after its dQ GEMMs; warpgroup 0 then
-    neither waits for kv_free nor issues those copies.  Both warpgroups commit their gathers to
-    their own mbarrier (kl_full: warpgroup 0; kr_full: warpgroup 0 for block 0, then 1)."""
-    src = _lower("bwd_main", (64, 576, 512, "atomic", True, 32, 256, 1, 128, True, True, 0,
-                              False, True)).kernel_source
-    wg1 = src.index("pds_full[0].wait(")
-    assert "kv_free[0].wait(" not in src and "kv_free[0].arrive()" not in src
-    assert src.count("mbarrier_cp_async_arrive_noinc(kr_full[0])") == 2
-    assert src.rindex("mbarrier_cp_async_arrive_noinc(kr_full[0])") > wg1
-    assert src.rindex("mbarrier_cp_async_arrive_noinc(kl_full[0])") < wg1
-    # the rope tail's dQ is accumulated and stored by warpgroup 1 only
-    wg0 = src.index("if (((int)threadIdx.x) < 128) {\n    sc[0]")
-    wg1_start = src.index("acc_dq_r", wg0)  # warpgroup 1's first statement clears it
-    assert "acc_dq_t" not in src[wg0:wg1_start] and "acc_dq_t" in src[wg1_start:]
-
-
 @pytest.mark.parametrize("has_sink, has_lse", [(True, True), (False, False)])
 def test_value_stats_lowers_and_reads_what_it_checks(has_sink, has_lse):
     """The value checks' kernel lowers for sm_90a; it reads the lse (with a NaN test the
@@ -714,7 +692,7 @@ def test_preprocess_keeps_a_nan_lse():
     """The backward preprocess passes a NaN lse on as NaN: its NaN test survives lowering (a
     ``lse != lse`` in the DSL was folded away, and max() drops a NaN, so a NaN lse became
     ``sink + 1``)."""
-    src = _lower("bwd_pre", (512, True)).kernel_source
+    src = _lower("bwd_pre", pre_args(True)).kernel_source
     # CUDA's NaN test as TileLang writes T.isnan: x != x (or isnan)
     assert re.search(r"(\bLse\[[^\]]*\]|\blse\w*) != (\bLse\[|\blse)", src) or "isnan" in src
 
@@ -722,7 +700,7 @@ def test_preprocess_keeps_a_nan_lse():
 def test_atomic_preprocess_has_no_fp64():
     """The atomic backward's preprocess writes Delta, Lse2 and DSink only (the deterministic
     backward's, ``grid_rows``, also squares dO in fp64 for the grids: not this one)."""
-    plain = _lower("bwd_pre", (512, True)).kernel_source
+    plain = _lower("bwd_pre", pre_args(True)).kernel_source
     assert "DO2" not in plain and "double" not in plain
     for name in ("Delta[", "Lse2[", "DSink[", "tl::AllReduce<tl::SumOp, 16, 1, 0"):
         assert name in plain

@@ -8,13 +8,14 @@ pytest would take minutes.  This tool builds them in a process pool that shares
     python tools/precompile.py --lower-only     # lower for sm_90a only (any CPU machine)
     python tools/precompile.py --heads 64 --jobs 4
 
-Specialisations: ``paddlefleet.tilelang_ops.attn.kernels.specs`` (the forward, the backward
-preprocess per lse format, and the main backward in its three flavours: exact with dQ, exact
-re-run without dQ, atomic; for 64-head tiles also the atomic one with the preprocess fused, per
-lse format) for every head tile in ``--heads`` (default 16 32 64, all the tiles
-``tiling.head_plan`` can give), and the exact dKV's five bookkeeping kernels (``exact_grid.py``:
-grid_rows, the deterministic backward's preprocess, per lse format; grid_scatter, grid_keys,
-rerun_plan, rerun_slots, one specialisation each; whatever the head tile).  Prints one line per
+Specialisations: ``paddlefleet.tilelang_ops.attn.kernels.specs``, the ones the wrappers
+launch: the forward, the backward preprocess per lse format, and the main backward in its three
+flavours (deterministic with dQ, deterministic re-run without dQ, atomic; the 64-head atomic
+one only with the preprocess fused, per lse format) for every head tile in ``--heads`` (default
+16 32 64, all the tiles ``tiling.head_plan`` can give), the dKV finish, and the exact dKV's
+five bookkeeping kernels (``exact_grid.py``: grid_rows, the deterministic backward's
+preprocess, per lse format; grid_scatter, grid_keys, rerun_plan, rerun_slots, one
+specialisation each; whatever the head tile).  Prints one line per
 kernel and a summary; exits 1 if any failed.
 """
 

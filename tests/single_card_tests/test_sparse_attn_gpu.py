@@ -441,7 +441,7 @@ def test_packed_documents_against_reference(case):
 
 RERUN_CASES = [
     dict(id="H100_B2_S48", B=2, S=48, S_kv=300, H=100, L=200, sink=True),  # two head groups
-    # more rows than the re-run's CTAs (sparse_bwd.RERUN_CTAS): each CTA walks 2-3 rows
+    # more rows than the re-run's CTAs (bwd_main.RERUN_CTAS): each CTA walks 2-3 rows
     dict(id="H64_S300", B=1, S=300, S_kv=400, H=64, L=96, sink=True),
 ]
 
@@ -489,7 +489,7 @@ class _RerunCapture(kernel_provider.TileLangKernels if cuda_available() else obj
 
 
 def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
-    """The re-run kernel's walk (``sparse_bwd.main``, ``with_dq=False``: CTA ``x`` of
+    """The re-run kernel's walk (``bwd_main.main``, ``with_dq=False``: CTA ``x`` of
     ``RERUN_CTAS`` owns rows ``x, x + RERUN_CTAS, ...`` and walks those with ``Counts > 0``) on
     the arguments of a forced re-run (every key re-runs, every row has slots in ``idx2``),
     with ``Counts`` kept only in a few rows: a CTA whose busy row is its second or third (its
@@ -499,7 +499,7 @@ def test_exact_rerun_walks_exactly_the_busy_rows(monkeypatch):
     it walked each busy row once, with its own count (every other row's ``idx2`` holds slots
     that a count read for the wrong row would add).  One chunk of 256 rows per CTA only: the
     walk's later chunks (more than 33,792 rows per batch) are checked by the lowering test."""
-    from paddlefleet.tilelang_ops.attn.kernels.sparse_bwd import RERUN_CTAS as C
+    from paddlefleet.tilelang_ops.attn.kernels.bwd_main import RERUN_CTAS as C
 
     case = dict(B=1, S=300, S_kv=400, H=64, L=96, sink=True)
     q, kv, do, sink, idx = _inputs(case, 5)
@@ -550,11 +550,11 @@ class _FirstPassCapture(kernel_provider.TileLangKernels if cuda_available() else
                  counts, dq, acc, bound, bound_exp):
         args = (q, kv, do, idx, lse2, delta, scale, inv_grid, counts, dq, acc, bound, bound_exp)
         if self.one_role and m == 64 and with_dq:
-            from paddlefleet.tilelang_ops.attn.kernels import main_args
+            from paddlefleet.tilelang_ops.attn.kernels.schedule import bwd_schedule
 
-            # threads, stages, 128-column transposed chunks: the one-role 64-head schedule
-            mode = "exact" if deterministic else "atomic"  # main_args' spelling of the choice
-            key = ("bwd_main",) + main_args(m, mode, True) + (256, 1, 128, True, False)
+            # a BwdSchedule picks the one-role kernel (bwd_main): 64-head transposed chunks
+            key = ("bwd_main", m, int(q.shape[-1]), int(do.shape[-1]), bool(deterministic), True,
+                   bwd_schedule(m))
             self._kernel(key)(*args)
         else:
             super().bwd_main(m, deterministic, with_dq, *args)
@@ -950,21 +950,11 @@ def _ragged_indices(rng, B, S, S_kv, L):
     return idx
 
 
-class _FullWalkForward(kernel_provider.TileLangKernels if cuda_available() else object):
-    """The shipped kernels, except the 64-head forward walks every key block in row order
-    (``row_extent=False``)."""
-
-    def fwd(self, m, q, kv, idx, sink, scale, out, lse):
-        if m != 64:
-            return super().fwd(m, q, kv, idx, sink, scale, out, lse)
-        self._kernel(("fwd", 64, DK, DV, 64, 256, 1, True, False))(q, kv, idx, sink, scale, out,
-                                                                  lse)
-
-
 def test_ragged_rows_forward():
     """Rows whose keys end early, with holes: the 64-head forward, which stops after a row's
-    last key (and walks the rows last-first), gives the reference's out and lse and bitwise the
-    same as the kernel that walks every block."""
+    last key (and walks the rows last-first), gives the reference's out and lse.  (Its bitwise
+    comparison with a build that walked every block went with that build's knob,
+    ``row_extent=False``.)"""
     B, S, S_kv, H, L = 2, 48, 900, 64, 640
     rng = np.random.default_rng(11)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -976,9 +966,6 @@ def test_ragged_rows_forward():
                                                provider=GuardedKernels())
     ref_out, ref_lse = mqa_latent_sparse_fwd_ref(q, kv, idx, SM_SCALE, sink)
     assert rel_l2(out.float(), ref_out) < TOL and rel_l2(lse, ref_lse) < TOL
-    full_out, full_lse = interface.mqa_latent_sparse_fwd(q, kv, idx, SM_SCALE, sink,
-                                                         provider=_FullWalkForward())
-    assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
 
 
 def test_rows_without_keys_give_zero_and_inf():

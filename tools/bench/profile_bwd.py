@@ -4,7 +4,8 @@
                                        [--no-ptxas] [--timeline]
 
 1. ``nvcc -Xptxas -v`` on the lowered CUDA of the main backward kernel (exact with dQ, exact
-   re-run, atomic) for the head tile of ``--heads``: registers, spills, stack (spills inside the
+   re-run, atomic; the 64-head atomic one with the preprocess fused, as launched) for the head
+   tile of ``--heads``: registers, spills, stack (spills inside the
    key loop are the usual reason a variant is slow).
 2. ``torch.profiler`` around one deterministic and one atomic backward (after warm-up): the
    CUDA time of every kernel the wrapper launches, host-side framework ops included, largest
@@ -36,8 +37,10 @@ def ptxas_report(heads_per_cta: int) -> list[str]:
 
     tl_dir = Path(tilelang.__file__).resolve().parent
     lines = []
-    for mode, with_dq in (("exact", True), ("exact", False), ("atomic", True)):
-        args = kernels.main_args(heads_per_cta, mode, with_dq)
+    for deterministic, with_dq in ((True, True), (True, False), (False, True)):
+        # as the wrappers launch it: the atomic first pass with the preprocess fused where it can
+        fused = not deterministic and heads_per_cta in kernels.FUSED_TILES
+        args = kernels.main_args(heads_per_cta, deterministic, with_dq, fused=fused)
         src = kernels.lower("bwd_main", args).kernel_source
         with tempfile.TemporaryDirectory() as tmp:
             cu = Path(tmp) / "k.cu"

@@ -5,9 +5,9 @@ warp-specialised backward: columns 256-576 wrong, 0-256 right).  Small enough to
 ``compute-sanitizer`` (memcheck, racecheck, synccheck).
 
     source tools/gpu_env.sh
-    python3 tools/experiments/dkv_blocks.py "256,1,64,True,True" [S]
+    python3 tools/experiments/dkv_blocks.py "row_lanes=4,pred_red=False" [S]
 
-ARGS as ``kernel_trial.py --bwd`` (the static arguments after the key block); ``S`` query rows
+FIELDS as ``kernel_trial.py --bwd`` (schedule fields by name); ``S`` query rows
 (default 64; B=1, S_kv=256, H=64, top-k 64, with a sink).
 """
 import sys
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, "src")
 sys.path.insert(0, "tools/bench")
 sys.path.insert(0, "tools/experiments")
-from kernel_trial import Variant, parse_static  # noqa: E402
+from kernel_trial import Variant, parse_fields  # noqa: E402
 from paddlefleet.tilelang_ops.attn import interface  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
 
@@ -25,7 +25,7 @@ COLUMN_BLOCKS = ((0, 64), (64, 256), (256, 512), (512, 576))
 
 
 def main():
-    extra = parse_static(sys.argv[1])
+    changes = parse_fields(sys.argv[1])
     B, S, SKV, H, K = 1, int(sys.argv[2]) if len(sys.argv) > 2 else 64, 256, 64, 64
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn((B, S, H, 576), generator=g, device="cuda").bfloat16()
@@ -35,7 +35,7 @@ def main():
     sink = torch.randn((H,), generator=g, device="cuda")
     sm = 576 ** -0.5
     out, lse = interface.mqa_latent_sparse_fwd(q, kv, idx, sm, sink, check_indices=False)
-    variant = Variant(bwd_extra=extra)
+    variant = Variant(bwd_fields=changes)
     for det in (False, True):
         args = (q, kv, out, do, lse, sink, idx, sm)
         a = interface.mqa_latent_sparse_bwd(*args, deterministic=det, check_indices=False)

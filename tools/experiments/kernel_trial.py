@@ -1,32 +1,27 @@
 """GPU trial of kernel variants against the shipped ones, through the public wrappers.
 
-Each variant is a provider whose kernels get extra static arguments; outputs are compared with
+Each variant is a provider whose kernels get another schedule; outputs are compared with
 the shipped kernels' (relative L2, bitwise repeat of the deterministic backward) and timed with
 CUDA events (median).  Not a test and not the benchmark: a scratch tool for A/B decisions, whose
 printed lines go into docs/performance.md.
 
     source tools/gpu_env.sh
-    python3 tools/experiments/kernel_trial.py --fwd "plain=64,256,1,False" \
-        --bwd "rowmajor=256,1,128,False,False" --shapes ref,fleet --reps 10
+    python3 tools/experiments/kernel_trial.py --fwd "regs216=consumer_regs=216" \
+        --bwd "lanes4=row_lanes=4,pred_red=False" --shapes ref,fleet --reps 10
 
-``--fwd NAME=ARGS``: the 64-head forward built as ``sparse_fwd(64, 576, 512, *ARGS)`` (block_k,
-threads, num_stages, warp_specialized, row_extent, consumer_regs, timeline, tma_q);
-``--bwd NAME=ARGS``: the 32- and 64-head main backward as ``sparse_bwd.main(*main_args, *ARGS)``
-(ARGS after the key block: threads, num_stages, dkv_chunk, dkv_transposed, warp_specialized,
-wg0_chunks, overlap, w1_right, row_extent, row_lanes, pred_red, tma_tiles, timeline; ``None``
-is the kernel's default for the knobs whose default is ``None`` (``tma_tiles``: on), by mode for
-wg0_chunks, overlap, row_lanes and pred_red
-(``sparse_bwd.two_warpgroup_schedule``): give ``row_extent`` (default ``True``) and
-``consumer_regs`` (224) as values, ``None`` there means ``False`` / fails; ``...,False`` gives
-the one-role kernel for 64-head tiles, ``...,True,1`` the two-warpgroup kernel with one dKV
-chunk per block on its scores warpgroup; ``None,None,None,None,None,1,True,None,True,8`` is the
-atomic mode's schedule since run 86, in both modes).  Above, the plain
-forward and the row-major dKV chunks, both replaced in run 24.  ``--state`` sets the GPU's state
-for each timing: ``queued`` (default) as the previous calls left it; ``cool`` starts each
-timing (1 warm-up and ``--reps`` calls, median) after 1.5 s of idle (the boost clock); ``hot``
+``--fwd NAME=FIELDS``: the 64-head forward built with ``schedule.fwd_schedule()`` and the fields
+given changed (``FwdSchedule``: block_k, threads, num_stages, consumer_regs); ``--bwd
+NAME=FIELDS``: the 32- and 64-head main backward (``kernels.main_args``) with those fields of its
+schedule record changed where the record has them (``BwdSchedule``: block_k, threads,
+num_stages, dkv_chunk, dkv_transposed, for the one-role kernel of 32-head tiles and the 64-head
+re-run; ``TwoWarpgroupSchedule``: wg0_chunks, overlap, row_lanes, pred_red, for the 64-head
+first pass).  FIELDS is ``name=value,...`` (ints, ``True``, ``False``).
+
+``--state`` sets the GPU's state for each timing: ``queued`` (default) as the previous calls
+left it; ``cool`` starts each timing (1 warm-up and ``--reps`` calls, median) after 1.5 s of idle (the boost clock); ``hot``
 takes the mean per call over 1 s after 1.5 s of back-to-back calls (the clock at the power
 limit; ``--reps`` does not apply).  Each timing prints `` at N MHz``, the median SM clock
-(NVML) while its calls ran, where NVML can be read.  Compare variants in both states (run 80),
+(NVML) while its calls ran, where NVML can be read.  Compare variants in both states,
 with the shapes repeated: every repeat of a shape runs the providers in the reverse order of
 its previous one (``provider_orders``).  Run from the repository root (``src`` and
 ``tools/bench`` are put on ``sys.path`` relative to it); needs a CUDA GPU.
@@ -41,15 +36,17 @@ relative error between the two and whether the fused one repeats dq and d_sink b
 import argparse
 import sys
 import time
+from dataclasses import fields, replace
 
 sys.path.insert(0, "src")
 sys.path.insert(0, "tools/bench")
 import harness  # noqa: E402
 from bench_sparse_mqa import sampled_calls, sustained_calls  # noqa: E402
 import model  # noqa: E402
-from paddlefleet.tilelang_ops.attn import interface, kernel_provider  # noqa: E402
+from paddlefleet.tilelang_ops.attn import interface, kernel_provider, kernels  # noqa: E402
 from paddlefleet.tilelang_ops.attn.indices import causal_topk_indices  # noqa: E402
-from paddlefleet.tilelang_ops.attn.kernels import FUSED_TILES, main_args  # noqa: E402
+from paddlefleet.tilelang_ops.attn.kernels import main_args  # noqa: E402
+from paddlefleet.tilelang_ops.attn.kernels.schedule import fwd_schedule  # noqa: E402
 
 DK, DV = 576, 512
 #: the benchmark's shapes, and three only the trials use
@@ -68,17 +65,31 @@ SHAPES = dict(model.SHAPES, **{s.name: s for s in (
 )})
 
 
-def parse_static(text):
-    words = {"True": True, "False": False, "None": None}  # None: the kernel's default
-    return tuple(words[t] if t in words else int(t) for t in text.split(","))
+def parse_fields(text):
+    """``{field: value}`` of ``"name=value,..."`` (ints, ``True``, ``False``)."""
+    words = {"True": True, "False": False}
+    out = {}
+    for item in text.split(","):
+        key, value = item.split("=")
+        out[key.strip()] = words[value] if value in words else int(value)
+    return out
+
+
+def with_fields(args, changes):
+    """``args`` (a specialisation's static arguments) with ``changes`` made to its schedule
+    record, those of its fields the record has (``dataclasses.replace``)."""
+    return tuple(replace(a, **{k: v for k, v in changes.items()
+                               if k in {f.name for f in fields(a)}})
+                 if hasattr(a, "__dataclass_fields__") else a for a in args)
 
 
 class Variant(kernel_provider.TileLangKernels):
-    """Shipped kernels, except that the 64-head forward / main backward get other static args."""
+    """Shipped kernels, except that the 64-head forward / 32- and 64-head main backward take
+    other schedule fields (``fwd_fields`` / ``bwd_fields``, as :func:`parse_fields` gives)."""
 
-    def __init__(self, fwd_extra=None, bwd_extra=None):
+    def __init__(self, fwd_fields=None, bwd_fields=None):
         super().__init__()
-        self.fwd_extra, self.bwd_extra = fwd_extra, bwd_extra
+        self.fwd_fields, self.bwd_fields = fwd_fields, bwd_fields
 
     def _timed(self, key):
         if key not in self._kernels:
@@ -88,28 +99,20 @@ class Variant(kernel_provider.TileLangKernels):
         return self._kernels[key]
 
     def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
-        if self.fwd_extra is None or heads_per_cta != 64:
+        if self.fwd_fields is None or heads_per_cta != 64:
             return super().fwd(heads_per_cta, q, kv, indices, sink, scale, out, lse)
-        key = ("fwd", 64, DK, DV) + self.fwd_extra
+        key = ("fwd", 64, DK, DV, replace(fwd_schedule(), **self.fwd_fields))
         self._timed(key)(q, kv, indices, sink, scale, out, lse)
-
-    @property
-    def fused_preprocess_tiles(self):
-        # the fused prologue exists in the two-warpgroup kernel only (warp_specialized: the
-        # fifth knob)
-        ws = (self.bwd_extra or ())[4:5]
-        return FUSED_TILES if ws in ((), (None,), (True,)) else ()
 
     def bwd_main(self, heads_per_cta, deterministic, with_dq, q, kv, grad_out, indices, lse2,
                  delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
-        if self.bwd_extra is None or heads_per_cta not in (32, 64):
+        if self.bwd_fields is None or heads_per_cta not in (32, 64):
             return super().bwd_main(heads_per_cta, deterministic, with_dq, q, kv, grad_out,
                                     indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
                                     bound, bound_exp, pre)
-        mode = "exact" if deterministic else "atomic"  # main_args' spelling of the choice
-        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq),
-                                        fused=pre is not None,
-                                        natural=pre is None or pre.natural, knobs=self.bwd_extra)
+        key = ("bwd_main",) + with_fields(
+            main_args(heads_per_cta, bool(deterministic), bool(with_dq), fused=pre is not None,
+                      natural=pre is None or pre.natural), self.bwd_fields)
         args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
                 bound, bound_exp)
         if pre is None:
@@ -223,15 +226,12 @@ def precompile(providers, jobs=16):
 
     keys = set(kernel_specs((32, 64)))
     for prov in providers.values():
-        if getattr(prov, "fwd_extra", None):
-            keys.add(("fwd", (64, DK, DV) + prov.fwd_extra))
-        if getattr(prov, "bwd_extra", None):
-            for m in (32, 64):
-                for mode, dq in (("exact", True), ("exact", False), ("atomic", True)):
-                    keys.add(("bwd_main", main_args(m, mode, dq, knobs=prov.bwd_extra)))
-            for m in prov.fused_preprocess_tiles:  # the fused atomic kernel (our forward's lse)
-                keys.add(("bwd_main", main_args(m, "atomic", True, fused=True,
-                                                knobs=prov.bwd_extra)))
+        if getattr(prov, "fwd_fields", None):
+            keys.add(("fwd", (64, DK, DV, replace(fwd_schedule(), **prov.fwd_fields))))
+        if getattr(prov, "bwd_fields", None):
+            for name, args in kernels.specs((32, 64)):
+                if name == "bwd_main":
+                    keys.add((name, with_fields(args, prov.bwd_fields)))
     t = time.time()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name, a, dt, err in pool.map(_build_one, *zip(*[(n, a, False) for n, a in keys])):
@@ -255,8 +255,10 @@ def provider_orders(shapes, names):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--fwd", action="append", default=[], help="name=static,args (after Dv)")
-    ap.add_argument("--bwd", action="append", default=[], help="name=static,args (after BK)")
+    ap.add_argument("--fwd", action="append", default=[],
+                    help="name=field=value,... (FwdSchedule)")
+    ap.add_argument("--bwd", action="append", default=[],
+                    help="name=field=value,... (BwdSchedule / TwoWarpgroupSchedule)")
     ap.add_argument("--shapes", default="ref,fleet",
                     help="comma-separated, repeats allowed; one of " + ", ".join(SHAPES))
     ap.add_argument("--reps", type=int, default=10, help="timed calls per timing (not hot)")
@@ -281,12 +283,12 @@ def main():
     providers = {"shipped": kernel_provider.TileLangKernels()}
     do_fwd, do_bwd = {}, {}
     for spec in args.fwd:
-        n, a = spec.split("=")
-        providers[n] = Variant(fwd_extra=parse_static(a))
+        n, a = spec.split("=", 1)
+        providers[n] = Variant(fwd_fields=parse_fields(a))
         do_bwd[n] = False
     for spec in args.bwd:
-        n, a = spec.split("=")
-        providers[n] = Variant(bwd_extra=parse_static(a))
+        n, a = spec.split("=", 1)
+        providers[n] = Variant(bwd_fields=parse_fields(a))
         do_fwd[n] = False
     if not args.bwd and not args.unfused:
         do_bwd["shipped"] = False

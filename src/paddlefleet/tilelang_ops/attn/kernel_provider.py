@@ -129,7 +129,7 @@ class TileLangKernels:
     """
 
     device = "cuda"
-    #: head tiles whose ``bwd_main`` takes ``pre`` (``sparse_bwd._two_warpgroups``, ``fused``)
+    #: head tiles whose ``bwd_main`` takes ``pre`` (``bwd_two_warpgroups``, ``fused``)
     fused_preprocess_tiles = FUSED_TILES
 
     def __init__(self):
@@ -187,10 +187,9 @@ class TileLangKernels:
                  delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
         from .kernels import main_args
 
-        # the builder's own spelling of the choice (sparse_bwd.main's dKV mode argument)
-        mode = "exact" if deterministic else "atomic"
-        key = ("bwd_main",) + main_args(heads_per_cta, mode, bool(with_dq), int(q.shape[-1]),
-                                        int(grad_out.shape[-1]), fused=pre is not None,
+        key = ("bwd_main",) + main_args(heads_per_cta, bool(deterministic), bool(with_dq),
+                                        int(q.shape[-1]), int(grad_out.shape[-1]),
+                                        fused=pre is not None,
                                         natural=pre is None or pre.natural)
         args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
                 bound, bound_exp)

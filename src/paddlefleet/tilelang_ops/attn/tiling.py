@@ -40,7 +40,7 @@ MAX_HEADS_PER_CTA = 64
 FWD_KEY_BLOCK = 64
 BWD_KEY_BLOCK = 32
 #: (the backward uses 64 for a 16-head tile: see :func:`bwd_key_block`; the 64-head first pass,
-#: ``sparse_bwd._two_warpgroups``, walks 64-key blocks of its own)
+#: ``bwd_two_warpgroups``, walks 64-key blocks of its own)
 #: ``L`` is padded with ``-1`` to a multiple of this (every key block divides it; the 64-key
 #: kernels would drop a remainder).
 INDEX_PAD = 64

@@ -1,13 +1,14 @@
-"""Asynchronous copies of the warp-specialised kernels: 16-byte ``cp.async`` from global into
-shared memory, issued by the calling threads; the caller commits them to an mbarrier
-(``T.cp_async_barrier_noinc``).  The key blocks (``load_key_rows``, ``gather_key_block``) come
-this way in the forward's producer.  The query (and dO) tile (``load_head_tile``) came this way
-too; the 64-head kernels now load it by TMA (``tma_q`` / ``tma_tiles``; runs 108-109: 384
-threads took 3.4 us to issue the query tile's 4,608 pieces), and keep this path as a trial knob.
+"""Asynchronous copies of the warp-specialised kernels.
+
+* ``tma_head_tile``: a query (or dO) head tile by TMA, one elected thread issuing the boxes
+  (issued as 16-byte ``cp.async`` by every thread, the forward's 384 threads took 3.4 us just to
+  issue its 4,608 pieces);
+* ``load_key_rows`` / ``gather_key_block``: a key block's latent rows through the top-k indices,
+  16-byte ``cp.async`` by the forward's producer warpgroup, which the caller commits to an
+  mbarrier (``T.cp_async_barrier_noinc``).
 
 Why by hand: a ``T.copy`` by a thread count that does not divide the tile lowered to two-byte
-loads (~65 us per CTA in the forward, run 24 of docs/performance.md), and the gather's rows come
-through the top-k indices.
+loads (~65 us per CTA in the forward), and the gather's rows come through the top-k indices.
 """
 
 from ... import settings
@@ -15,46 +16,17 @@ from ... import settings
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
 
-__all__ = ["load_head_tile", "tma_head_tile", "gather_key_block", "load_key_rows"]
-
-
-@T.macro
-def load_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, tx, nthreads):
-    """``src[b_i, s_i, h0:h0 + M, :]`` (``[M, width]`` bf16) into shared memory by ``nthreads``
-    threads (``tx`` in ``[0, nthreads)``): columns ``[0, DH)`` into ``dst_l``, ``[DH, 2 DH)`` into
-    ``dst_r`` and the rest (a rope tail) into ``dst_t`` (``None`` when ``width = 2 DH``)."""
-    M, DH = dst_l.shape
-    width = src.shape[-1]
-    chunks = M * width // 8  # 16-byte pieces
-    for r in T.serial(chunks // nthreads):
-        c = r * nthreads + tx
-        h = c // (width // 8)
-        col = (c % (width // 8)) * 8
-        if dst_t is None:
-            if col < DH:
-                T.ptx_cp_async(T.access_ptr(dst_l[h, col], "w", 8),
-                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
-            else:
-                T.ptx_cp_async(T.access_ptr(dst_r[h, col - DH], "w", 8),
-                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
-        else:
-            if col < DH:
-                T.ptx_cp_async(T.access_ptr(dst_l[h, col], "w", 8),
-                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
-            elif col < 2 * DH:
-                T.ptx_cp_async(T.access_ptr(dst_r[h, col - DH], "w", 8),
-                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
-            else:
-                T.ptx_cp_async(T.access_ptr(dst_t[h, col - 2 * DH], "w", 8),
-                               T.access_ptr(src[b_i, s_i, h0 + h, col], "r", 8), 8)
+__all__ = ["tma_head_tile", "gather_key_block", "load_key_rows"]
 
 
 @T.macro
 def tma_head_tile(src, b_i, s_i, h0, dst_l, dst_r, dst_t, barrier):
-    """The tile of :func:`load_head_tile` by TMA (one elected thread issues the boxes), its bytes
-    expected on ``barrier``.  The expect is no arrive: after the last tile every calling thread
-    arrives on ``barrier`` (its arrive count), so the phase cannot end before the elected
-    thread's expect (its own arrive comes after it)."""
+    """``src[b_i, s_i, h0:h0 + M, :]`` (``[M, width]`` bf16) into shared memory by TMA (one
+    elected thread issues the boxes): columns ``[0, DH)`` into ``dst_l``, ``[DH, 2 DH)`` into
+    ``dst_r`` and the rest (a rope tail) into ``dst_t`` (``None`` when ``width = 2 DH``), its
+    bytes expected on ``barrier``.  The expect is no arrive: after the last tile every calling
+    thread arrives on ``barrier`` (its arrive count), so the phase cannot end before the
+    elected thread's expect (its own arrive comes after it)."""
     M, DH = dst_l.shape
     T.tma_copy(src[b_i, s_i, h0:h0 + M, :DH], dst_l, barrier=barrier[0])
     T.tma_copy(src[b_i, s_i, h0:h0 + M, DH:2 * DH], dst_r, barrier=barrier[0])

@@ -6,8 +6,8 @@ after it, the keys to re-run, all on the device (no host sync, no data-dependent
 launch order:
 
 ``grid_rows``     one CTA per query row ``(b, s)``: the deterministic backward's preprocess
-                  (``Delta``, ``Lse2``, ``DSink`` per head, as ``sparse_bwd.preprocess`` writes
-                  them for the atomic backward) and ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2
+                  (``Delta``, ``Lse2``, ``DSink`` per head, as ``bwd_preprocess.preprocess``
+                  writes them for the atomic backward) and ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2
                   (kscale |q_sh|^2 + 1 / Dv)) / max(1, n_valid)`` in fp64, ``kscale = KvNorm^2
                   kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots with a key,
                   in one pass over ``out``, ``dO`` and ``q``.  The squares of the bf16 inputs
@@ -40,7 +40,7 @@ tensor's end or dereferences a ``-1`` slot (or any index outside ``[0, S_kv)``).
 
 from ... import settings
 from ..tiling import INDEX_PAD
-from .sparse_bwd import LOG2E, sink_lse2
+from .bwd_preprocess import LOG2E, sink_lse2
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -75,19 +75,19 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
               heads_per_pass: int = 2):
     """The deterministic backward's preprocess and the rows' grid weights, in one pass over
     ``out``, ``dO`` and ``q`` (one CTA per query row ``(b, s)``).  Per real head ``h`` what
-    ``sparse_bwd.preprocess`` writes for the atomic backward: ``Delta = rowsum(O dO)`` (fp32),
-    ``Lse2`` (:func:`sparse_bwd.sink_lse2`, ``natural`` as there), ``DSink = -2^(sink log2 e -
-    Lse2) Delta``, and 0 in all three at the pad heads ``H <= h < H_pad``; per row
-    ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2 (kscale |q_sh|^2 + 1 / Dv)) / max(1, n_valid)`` in
-    fp64 (``kscale = KvNorm^2 kv_coef = (sm_scale kv_rms)^2 / Dk``, ``n_valid`` the row's slots
-    with a key: counted, never dereferenced).  Inputs ``Q [B, S, H, Dk]``, ``O``, ``dO [B, S,
-    H, Dv]`` bf16 (the real heads), ``Lse [B, S, H]``, ``Sink [H]`` fp32 (``-inf``: no sink),
-    ``Indices [B, S, L]``, ``KvNorm [1]`` fp32, the scalar ``kv_coef``; outputs ``Delta``,
+    ``bwd_preprocess.preprocess`` writes for the atomic backward: ``Delta = rowsum(O dO)``
+    (fp32), ``Lse2`` (:func:`bwd_preprocess.sink_lse2`, ``natural`` as there),
+    ``DSink = -2^(sink log2 e - Lse2) Delta``, and 0 in all three at the pad heads
+    ``H <= h < H_pad``; per row ``CRow[b, s] = 4 sqrt(sum_h |dO_sh|^2 (kscale |q_sh|^2 + 1 /
+    Dv)) / max(1, n_valid)`` in fp64 (``kscale = KvNorm^2 kv_coef = (sm_scale kv_rms)^2 / Dk``,
+    ``n_valid`` the row's slots with a key: counted, never dereferenced).  Inputs
+    ``Q [B, S, H, Dk]``, ``O``, ``dO [B, S, H, Dv]`` bf16 (the real heads), ``Lse [B, S, H]``,
+    ``Sink [H]`` fp32 (``-inf``: no sink), ``Indices [B, S, L]``, ``KvNorm [1]`` fp32, the scalar ``kv_coef``; outputs ``Delta``,
     ``Lse2``, ``DSink [B, S, H_pad]`` fp32 and ``CRow [B, S]`` fp64.
 
     Why one kernel: the preprocess and the grid weights each streamed their inputs (``O`` and
     ``dO``, then ``q``) in a launch of their own, with ``|dO|^2`` handed between them in fp64;
-    here each (row, head) is read once, 3.4 KB per head (run 63: 0.42 ms at ``fleet`` against
+    here each (row, head) is read once, 3.4 KB per head (0.42 ms at ``fleet`` against
     0.53 for the two launches, 0.23 against 0.29 at ``ref``).  Warp ``w`` of ``NW`` takes heads
     ``w, w + NW, ...`` (128 threads; one head per pass, 91 registers a thread left room for 5
     CTAs, 20 warps, per SM, two ~119 registers, 4 CTAs; 256 threads took 0.50 ms at
@@ -96,7 +96,7 @@ def grid_rows(d_qk: int, d_v: int, natural: bool, threads: int = 128,
     flight), then per head in turn multiplies (``O dO`` in fp32)
     and squares (``dO`` and ``q``, each bf16 value widened to fp64: exact, no overflow or
     underflow at any bf16 magnitude); butterflies give the head's three sums to every lane
-    and lane 0 writes the head's values.  (Two heads per pass, run 69: 424 us against 436 at
+    and lane 0 writes the head's values.  (Two heads per pass: 424 us against 436 at
     ``h128``, the same at ``ref`` and ``fleet``, 3.7-4.0 TB/s, so not limited by the loads in
     flight; bitwise the same outputs.)  The warps' weights and slot counts meet in shared
     memory and thread 0 adds them in warp order.  Every order is fixed: repeatable bit for
@@ -239,9 +239,9 @@ def grid_scatter(threads: int = 256, rows: int = 16, keys: int = 8192, rounds: i
     keys`` it adds each slot's row weight into a histogram of the keys in shared memory (int64
     atomics there), then the histogram's nonzero entries into ``Est`` with coalesced int64
     atomics: one global atomic per slot to a random key took 0.14 ms at ``fleet`` (5.2 M
-    slots) and 0.16 at ``ref``, the histogram 0.05 and 0.07 (run 66, ``rows`` 16).  For more
+    slots) and 0.16 at ``ref``, the histogram 0.05 and 0.07 (``rows`` 16).  For more
     keys each slot adds into ``Est`` directly (three ranges of the histogram, each reading
-    the slots again, were slower than that at ``S_kv = 20000``: run 66)."""
+    the slots again, were slower than that at ``S_kv = 20000``)."""
     PASS = rounds * threads
     assert keys % threads == 0 and rows <= threads
     B = T.dynamic("B")
@@ -427,7 +427,7 @@ def rerun_slots(threads: int = 256, rounds: int = 8, block: int = INDEX_PAD):
     whole tail, took 60 us at ``fleet`` where it finds two slots.)
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
-    (``AnyOver[b] = 0``; most of the benchmark's calls re-run one or two keys, run 69) reads
+    (``AnyOver[b] = 0``; most of the benchmark's calls re-run one or two keys) reads
     neither ``Indices`` nor ``Over`` and only gets ``Counts = 0``.  The flag is per batch and
     a warp owns one row: the whole warp takes the same branch (its ballots stay whole)."""
     assert threads % WARP == 0

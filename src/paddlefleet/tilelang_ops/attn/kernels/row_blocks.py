@@ -47,8 +47,8 @@ def row_key_blocks(Indices, b_i, s_i, tx, threads, block, v, last, warp_last, nb
     block 0, which the 64-head backward gathers before this count.  Each thread
     loads 8 slots per pass, all before it looks at them (a 2048-slot row is one pass of 256
     threads), then a warp butterfly and the warps' maxima through shared memory.  Call it
-    before a long wait (the query tile's), so that its loads fly under that one (run 47: a scan
-    by every warp of the whole row, one load latency per 128 slots, cost 0.2 ms at ref)."""
+    before a long wait (the query tile's), so that its loads fly under that one (a scan by
+    every warp of the whole row, one load latency per 128 slots, cost 0.2 ms at ref)."""
     L = Indices.shape[2]
     last[0] = 0
     for p in T.serial(T.ceildiv(L, threads * 2 * VEC)):

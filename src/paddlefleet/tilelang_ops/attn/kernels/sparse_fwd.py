@@ -11,17 +11,18 @@ one extra softmax column with a zero value (``docs/conventions.md``) and the ker
 * ``Lse [B, S, H_pad]`` fp32, natural log and sink-exclusive (``-inf`` for a row with no valid
   key), the form FlashMLA's sparse prefill returns.
 
-Static (one compile each): the head tile ``M`` (``tiling.head_plan``), ``Dk``, ``Dv``, the key
-block.  Dynamic (no recompile): ``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block; the
-host pads with ``-1``), ``H_pad`` (a multiple of ``M``).  ``sm_scale`` is a runtime value read
+Static (one compile each): the head tile ``M`` (``tiling.head_plan``), ``Dk``, ``Dv``, the
+schedule (``schedule.fwd_schedule``: key block, threads, registers).  Dynamic (no recompile):
+``B``, ``S``, ``S_kv``, ``L`` (a multiple of the key block; the host pads with ``-1``),
+``H_pad`` (a multiple of ``M``).  ``sm_scale`` is a runtime value read
 from the one-element tensor ``Scale``.  Every kernel compiles with ``settings.PASS_CONFIGS``.
 """
 
 
 from ... import settings
-from .async_copy import gather_key_block, load_head_tile, load_key_rows, tma_head_tile
+from .async_copy import gather_key_block, load_key_rows, tma_head_tile
 from .row_blocks import alloc_scratch, last_row_first, row_key_blocks
-from .timeline import SMID_SRC, stampers
+from .schedule import FwdSchedule, fwd_schedule
 
 tilelang = settings.import_tilelang()
 from tilelang import language as T  # noqa: E402
@@ -93,26 +94,15 @@ def fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared=
 
 
 @tilelang.jit(pass_configs=settings.PASS_CONFIGS)
-def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threads: int = 256,
-               num_stages: int = 1, warp_specialized: bool | None = None,
-               row_extent: bool = True, consumer_regs: int = 224, timeline: bool = False,
-               tma_q: bool = True):
+def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | None = None):
     """Build the forward kernel for one head tile.
 
     Args (all static):
-        heads_per_cta: ``M``, the heads one CTA handles (16, 32 or 64).
+        heads_per_cta: ``M``, the heads one CTA handles (16, 32 or 64): 64 builds the
+            warp-specialised kernel (:func:`_warp_specialized`), 16 and 32 the one-role one.
         d_qk: ``Dk`` (576).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail.
-        block_k: key block ``BK``; ``L`` must be a multiple of it.
-        warp_specialized: the 64-head schedule of :func:`_warp_specialized` (default: when
-            ``heads_per_cta == 64``); ``threads`` and ``num_stages`` apply to the other one.
-        row_extent: (64-head schedule) walk a row only up to its last slot with a key, rows
-            last-first (``row_blocks``); ``False`` walks every block in row order (a trial knob).
-        consumer_regs: (64-head schedule) ``setmaxnreg`` of each consumer thread, a multiple of
-            8 in ``[168, 240]``; the producer gets the rest, ``504 - 2 x consumer_regs``.
-        timeline: (64-head schedule, a diagnostic) write SM-cycle stamps of the CTA's stages
-            into ``Lse`` instead of the lse (``tools/experiments/fwd_timeline.py``).
-        tma_q: (64-head schedule) load the query tile by TMA (default); ``False``: 16-byte
-            ``cp.async`` by all 384 threads (``async_copy.load_head_tile``, a trial knob).
+        schedule: :func:`~.schedule.fwd_schedule` when ``None`` (the shipped one); ``L`` must
+            be a multiple of its ``block_k``.
 
     Kernel arguments: ``Q [B, S, H_pad, Dk] bf16``, ``KV [B, S_kv, Dk] bf16``,
     ``Indices [B, S, L] int32``, ``Sink [H_pad] fp32`` (``-inf`` = no sink / pad head),
@@ -121,11 +111,10 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     """
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
     assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
-    if warp_specialized is None:
-        warp_specialized = heads_per_cta == 64
-    if warp_specialized:
-        return _warp_specialized(heads_per_cta, d_qk, d_v, block_k, row_extent, consumer_regs,
-                                 timeline, tma_q)
+    schedule = fwd_schedule() if schedule is None else schedule
+    if heads_per_cta == 64:
+        return _warp_specialized(heads_per_cta, d_qk, d_v, schedule)
+    block_k, threads, num_stages = schedule.block_k, schedule.threads, schedule.num_stages
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
@@ -211,9 +200,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, block_k: int = 64, threa
     return sparse_fwd_main
 
 
-def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
-                      row_extent: bool = True, consumer_regs: int = 224, timeline: bool = False,
-                      tma_q: bool = True):
+def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule):
     """The 64-head forward as three warpgroups (384 threads), same arguments and results.
 
     Warpgroups 0 and 1, the consumers, take alternate key blocks: warpgroup 0 the even ones (key
@@ -234,38 +221,34 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
       waits, in two parts per buffer in the order they come free: buffer 0's left half (after
       warpgroup 0's RS), buffer 1's right half and tail (after warpgroup 1's RS), buffer 0's
       right half and tail, buffer 1's left half (after the SS ones).  Block 0 is gathered
-      after the prologue: sent out beside the query tile it made the forward 1-2% slower (run
-      80; probably its loads delay the query tile's, which the consumers need first).
+      after the prologue: sent out beside the query tile it made the forward 1-2% slower
+      (probably its loads delay the query tile's, which the consumers need first).
 
     Warpgroup 1's score GEMM (at the shared-memory rate) runs under warpgroup 0's softmax and
     ``P V``, warpgroup 0's under warpgroup 1's ``P V``, and both do the same tensor work.  This
     is the schedule of FlashMLA's SM90 sparse prefill (``csrc/sm90/prefill/sparse/phase1.cuh``),
-    written here in TileLang; it replaced (sixteenth session, runs 75-76 of docs/validation.md)
-    a split by output columns in which warpgroup 0 computed every score and softmax and
-    warpgroup 1 only the right ``P V``, with the softmax under warpgroup 0's own left ``P V``
-    (run 43): per block, its score GEMM and softmax stood in a chain.  The row sums of the two
-    consumers add at the end, in the final pair's max (both end with it); the sink is folded in
-    as in :func:`sparse_fwd`.
+    written here in TileLang; it is faster than a split by output columns in which warpgroup 0
+    computed every score and softmax and warpgroup 1 only the right ``P V``: per block, the
+    score GEMM and softmax stood in a chain there.  The row sums of the two consumers add at
+    the end, in the final pair's max (both end with it); the sink is folded in as in
+    :func:`sparse_fwd`.
 
-    Registers (``setmaxnreg``): 224 per consumer thread, 56 for the producer (ptxas: no spill;
-    at 208 the consumers spill).  Against 216 / 72 (runs 79-80, same process, per round):
-    0.6-1.7% faster at ``ref`` cool and 1.3-2.6% at ``h128`` hot, from 0.2% slower to 1.3%
-    faster at ``ref`` hot, from 10% faster to 5.7% slower at ``h128`` cool.  Each pair's
-    ``O_l += P_1 V_1`` is issued at the top of the next pair (the final pair's after the loop),
-    not at the end of its own: a wgmma in flight across the loop's back edge made ptxas
-    serialise every wgmma of the kernel (its warning C7514).  The
-    query tile comes by TMA, nine boxes from one elected thread (``tma_q``): issued by 384 threads
-    as 16-byte ``cp.async``, the CTA took 3.4 us just to issue them and its first pair of
-    softmaxes ended 7.2 us after it began (runs 108-109's timelines), against 0.44 and 4.4 us by
-    TMA (run 110's); -4 to -5% at ``ref`` and ``h128``, -13% at ``fleet`` (run 110).  With
-    ``row_extent`` every
-    role walks the row's blocks only up to the one holding its last slot with a key (the blocks
-    after it add nothing), and the rows go last-first (``row_blocks``).
+    Registers (``setmaxnreg``): ``schedule.consumer_regs`` per consumer thread, the rest for the
+    producer (:func:`~.schedule.fwd_schedule`).  Each pair's ``O_l += P_1 V_1`` is issued at the
+    top of the next pair (the final pair's after the loop), not at the end of its own: a wgmma
+    in flight across the loop's back edge made ptxas serialise every wgmma of the kernel (its
+    warning C7514).  The query tile comes by TMA, nine boxes from one elected thread: issued by
+    384 threads as 16-byte ``cp.async``, the CTA took 3.4 us just to issue them and its first
+    pair of softmaxes ended 7.2 us after it began, against 0.44 and 4.4 us by TMA (-4 to -13%
+    on the whole forward).  Every role walks the row's blocks only up to the one holding its
+    last slot with a key (the blocks after it add nothing), and the rows go last-first
+    (``row_blocks``).
     """
     assert heads_per_cta == 64 and d_v % 128 == 0, "64-head tiles, Dv a multiple of 128"
+    block_k, consumer_regs = schedule.block_k, schedule.consumer_regs
     # setmaxnreg takes multiples of 8 in [24, 256]; the three warpgroups share 3 x 168 (65536
     # registers / 384 threads, rounded down to 8), and a raise above what the others give back
-    # waits forever (run 56)
+    # waits forever
     assert consumer_regs % 8 == 0 and 168 <= consumer_regs <= 240, "consumer_regs: 168..240"
     M = heads_per_cta
     D = d_v
@@ -298,10 +281,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         gather_key_block(KV, rows, K_l, K_r, K_t, b_i, t)
         T.cp_async_barrier_noinc(ready[0])
 
-    # (timeline, a diagnostic) stamps into Lse: the stages 0-17, the SM's id in 18, its clock
-    # at the CTA's start in 19-20, at warpgroup 0's / 1's end in 21-22 / 23-24
-    start, stamp, stamp_clock = stampers(timeline)
-
     @T.prim_func
     def sparse_fwd_ws(
         Q: T.Tensor([B, S, H_pad, d_qk], dtype),
@@ -312,9 +291,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
         O: T.Tensor([B, S, H_pad, D], dtype),
         Lse: T.Tensor([B, S, H_pad], acc_t),
     ):
-        with T.Kernel(S, B, H_pad // M, threads=3 * WG,
-                      prelude=SMID_SRC if timeline else None) as (bx, b_i, g_i):
-            s_i = last_row_first(bx, S) if row_extent else bx
+        with T.Kernel(S, B, H_pad // M, threads=3 * WG) as (bx, b_i, g_i):
+            s_i = last_row_first(bx, S)
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
             Q_tail = T.alloc_shared([M, D_tail], dtype)
@@ -372,30 +350,14 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
             rows1 = T.alloc_local([BK // 16], "int32")
             ext_v, ext_last, ext_warps, nb = alloc_scratch(3 * WG)
 
-            t0 = T.alloc_local([1], "int64")
             tx = T.get_thread_binding()
             h0 = g_i * M
-            start(t0)
-            stamp_clock(Lse, b_i, s_i, h0, t0, 19, tx == 0)
-            if timeline:
-                if tx == 0:
-                    Lse[b_i, s_i, h0 + 18] = T.Cast(acc_t, T.call_extern("int32", "pf_smid"))
-            if tma_q:
-                tma_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, q_ready)
-                T.barrier_arrive(q_ready[0])  # see tma_head_tile
-            else:
-                load_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, tx, 3 * WG)
-                T.cp_async_barrier_noinc(q_ready[0])
-            stamp(Lse, b_i, s_i, h0, t0, 0, tx == 0)
-            if row_extent:
-                row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
-            else:
-                nb[0] = L // BK
+            tma_head_tile(Q, b_i, s_i, h0, Q_l, Q_r, Q_tail, q_ready)
+            T.barrier_arrive(q_ready[0])  # see tma_head_tile
+            row_key_blocks(Indices, b_i, s_i, tx, 3 * WG, BK, ext_v, ext_last, ext_warps, nb)
             NB = nb[0]
-            stamp(Lse, b_i, s_i, h0, t0, 1, tx == 0)
             T.barrier_wait(q_ready[0], 0)
             T.fence_proxy_async()
-            stamp(Lse, b_i, s_i, h0, t0, 2, tx == 0)
 
             scale2[0] = Scale[0] * LOG2E  # both consumers compute weights
             if tx < WG:
@@ -404,12 +366,9 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 T.fill(row_sum, 0)
                 T.fill(row_max, -T.infinity(acc_t))
                 for i in T.serial(T.ceildiv(NB, 2)):
-                    stamp(Lse, b_i, s_i, h0, t0, 16, T.And(tx == 0, i == 8))
-                    stamp(Lse, b_i, s_i, h0, t0, 17, T.And(tx == 0, i == 12))
                     masked_scores(Indices, b_i, s_i, 2 * i, acc_s0)
                     T.barrier_wait(ready_l0[0], i & 1)
                     T.fence_proxy_async()
-                    stamp(Lse, b_i, s_i, h0, t0, 5, T.And(tx == 0, i == 0))
                     if i > 0:
                         # the previous pair's O_l += P_1 V_1, issued here and not at the end
                         # of that pair: a wgmma in flight across the loop's back edge made ptxas
@@ -425,14 +384,12 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     T.wgmma_gemm(Q_r, K_r0, acc_s0, transpose_B=True)
                     T.wgmma_gemm(Q_tail, K_t0, acc_s0, transpose_B=True)
                     T.wait_wgmma(0)
-                    stamp(Lse, b_i, s_i, h0, t0, 6, T.And(tx == 0, i == 0))
                     T.warpgroup_fence_operand(acc_s0, num_regs=M * BK // WG)
                     softmax_step(acc_s0, row_max, row_max_prev, row_sum, blk_sum, alpha,
                                  m_shift, scale2)
                     for h in T.Parallel(M):
                         m_shared[h] = row_max[h]
                     T.barrier_arrive(m0_ready[0])
-                    stamp(Lse, b_i, s_i, h0, t0, 7, T.And(tx == 0, i == 0))
                     scale_rows(acc_o0, alpha)
                     T.copy(acc_s0, p_0)
                     T.wgmma_gemm(p_0, K_l0, acc_o0)
@@ -453,7 +410,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     scale_rows(acc_o0, alpha)
                     if 2 * i + 1 < NB:
                         T.barrier_wait(p1_ready[0], i & 1)
-                stamp(Lse, b_i, s_i, h0, t0, 10, tx == 0)
                 # the final pair's P_1 V_1 (NB >= 1: row_key_blocks, or L >= BK from the host)
                 if NB % 2 == 0:
                     T.wgmma_gemm(P_1, K_l1, acc_o0)
@@ -465,15 +421,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     row_sum[h] = row_sum[h] + sum_shared[h]
                 fold_sink(row_max, row_sum, Sink, h0, scale2, alpha, lse_frag, alpha_shared)
                 T.barrier_arrive(fin_ready[0])
-                stamp(Lse, b_i, s_i, h0, t0, 12, tx == 0)
                 scale_rows(acc_o0, alpha)
                 T.copy(acc_o0, O_l)
                 T.copy(O_l, O[b_i, s_i, h0:h0 + M, :DH])
-                if not timeline:
-                    T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
-                stamp(Lse, b_i, s_i, h0, t0, 13, tx == 0)
-                start(t0)  # t0 is not needed after the last stamp: the end's clock
-                stamp_clock(Lse, b_i, s_i, h0, t0, 21, tx == 0)
+                T.copy(lse_frag, Lse[b_i, s_i, h0:h0 + M])
             elif tx < 2 * WG:
                 T.set_max_nreg(consumer_regs, 1)
                 T.fill(acc_o1, 0)
@@ -484,7 +435,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                         masked_scores(Indices, b_i, s_i, 2 * i + 1, acc_s1)
                         T.barrier_wait(ready_rt1[0], i & 1)
                         T.fence_proxy_async()
-                        stamp(Lse, b_i, s_i, h0, t0, 8, T.And(tx == WG, i == 0))
                         T.wgmma_gemm(Q_r, K_r1, acc_s1, transpose_B=True)
                         T.wgmma_gemm(Q_tail, K_t1, acc_s1, transpose_B=True)
                         T.barrier_wait(ready_l1[0], i & 1)
@@ -501,7 +451,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     for h in T.Parallel(M):
                         m_shared[h] = row_max1[h]
                     T.barrier_arrive(m1_ready[0])
-                    stamp(Lse, b_i, s_i, h0, t0, 9, T.And(tx == WG, i == 0))
                     scale_rows(acc_o1, alpha1)
                     if 2 * i + 1 < NB:
                         T.copy(acc_s1, p_1)
@@ -517,7 +466,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_o1, num_regs=M * DH // WG)
                     T.barrier_arrive(free_rt0[0])
-                stamp(Lse, b_i, s_i, h0, t0, 11, tx == WG)
                 for h in T.Parallel(M):
                     sum_shared[h] = row_sum1[h]
                 T.barrier_arrive(sum_ready[0])
@@ -525,9 +473,6 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                 scale_rows(acc_o1, alpha_shared)
                 T.copy(acc_o1, O_r)
                 T.copy(O_r, O[b_i, s_i, h0:h0 + M, DH:])
-                stamp(Lse, b_i, s_i, h0, t0, 14, tx == WG)
-                start(t0)  # t0 is not needed after the last stamp: the end's clock
-                stamp_clock(Lse, b_i, s_i, h0, t0, 23, tx == WG)
             else:
                 T.set_max_nreg(504 - 2 * consumer_regs, 0)  # the rest of 3 x 168
                 t = tx - 2 * WG
@@ -538,12 +483,10 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, block_k: int,
                     if 2 * i + 1 < NB:
                         load_key_rows(Indices, b_i, s_i, 2 * i + 1, t, rows1)
                     refill(free_l0, ready_l0, par, KV, rows0, K_l0, None, None, b_i, t)
-                    stamp(Lse, b_i, s_i, h0, t0, 4, T.And(t == 0, i == 0))
                     if 2 * i + 1 < NB:
                         refill(free_rt1, ready_rt1, par, KV, rows1, None, K_r1, K_t1, b_i, t)
                     refill(free_rt0, ready_rt0, par, KV, rows0, None, K_r0, K_t0, b_i, t)
                     if 2 * i + 1 < NB:
                         refill(free_l1, ready_l1, par, KV, rows1, K_l1, None, None, b_i, t)
-                stamp(Lse, b_i, s_i, h0, t0, 15, t == 0)
 
     return sparse_fwd_ws

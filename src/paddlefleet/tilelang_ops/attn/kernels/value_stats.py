@@ -1,6 +1,6 @@
 """TileLang kernel behind the wrappers' value checks (``checks.check_values``): one launch
 instead of ~10 framework reductions before the check's device-to-host read (which is a stream
-sync, so every launch before it is exposed host time: docs/performance.md, run 41).
+sync, so every launch before it is exposed host time: docs/performance.md).
 
 ``value_stats``   a fixed grid of ``CTAS`` CTAs strides over the (contiguous, int32) top-k
                   indices and the lse; CTA ``g`` writes ``Part[g] = (min index, max index,
@@ -21,7 +21,7 @@ from tilelang import language as T  # noqa: E402
 __all__ = ["value_stats", "CTAS", "MAX_ELEMENTS"]
 
 #: 8 CTAs of 256 threads per SM of an H200 (132 SMs): enough loads in flight to stream the
-#: indices (run 43: 256 CTAs took 24-26 us at the reference shape, ~1.5x the bytes' time)
+#: indices (256 CTAs took 24-26 us at the reference shape, ~1.5x the bytes' time)
 CTAS = 1024
 #: The most elements of one input it handles: its loop bounds are int32 (with a CTA's stride to
 #: spare); the wrappers check larger tensors with framework reductions.
