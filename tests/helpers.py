@@ -304,7 +304,7 @@ class CpuStandIn:
         _write(d_sink_rows, DS)
 
     def _fused_preprocess(self, m, deterministic, with_dq, do, lse2, delta, pre):
-        # the fused kernel's prologue (sparse_bwd._two_warpgroups, fused): its argument shapes
+        # the fused kernel's prologue (bwd_two_warpgroups, fused): its argument shapes
         # checked, lse2 / delta / pre.d_sink_rows written from pre.out, dO's real heads, pre.lse
         # and pre.sink
         B, S, h_pad, d_v = to_numpy(do).shape
