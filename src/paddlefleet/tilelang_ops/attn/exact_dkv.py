@@ -49,8 +49,8 @@ def grid_estimate(ops, provider, query, grad_out, pre, delta, lse2, kv, idx, sm_
     (the head groups per row, ``plan.num_groups``): each group's part of a row adds to the key
     as a contribution of its own, whose column maximum the bound counts separately, so the sum
     of the parts' bounds exceeds the row's (up to ``sqrt(groups)`` times for the norms,
-    Cauchy-Schwarz; measured about twice at H=128, two groups: run 46 re-ran 83 keys, 0.75 ms,
-    with 1.1 bits less head-room than at H=64); one bit per doubling of the groups keeps a single
+    Cauchy-Schwarz; measured about twice at H=128, two groups: without the extra bit 83 keys
+    re-ran, 0.75 ms, with 1.1 bits less head-room than at H=64); one bit per doubling of the groups keeps a single
     group's grids as they were.  Framework ops: the Frobenius
     norm of kv (``kv_rms`` is it over ``sqrt(numel)``), the largest ``c_s`` and a zeroed ``E``;
     no host sync.  Only

@@ -133,7 +133,7 @@ class _Indices:
     safe copy, every value outside ``[0, S_kv)`` made ``-1``, where the provider made one; else
     the tensor).  The wrapper waits for the numbers (and raises) ``after`` the kernels are
     queued when they read the safe copy (the GPU then never idles while the host waits and
-    launches: docs/performance.md, run 43), else ``before`` the first kernel that dereferences
+    launches: docs/performance.md, "Design decisions and why"), else ``before`` the first kernel that dereferences
     an index.  The one not used is ``None``."""
 
     def __init__(self, token_indices, start=None):
@@ -322,8 +322,8 @@ def mqa_latent_sparse_bwd(
     indices, if only to count them) and finished (raising on bad values) before the call
     returns, or, without a safe copy of the indices, before the first kernel that dereferences
     one (the deterministic backward's ``grid_scatter``, the atomic one's ``bwd_main``), so that
-    the GPU works while their numbers reach the host (run 41: a sync first had left it idle for
-    ~0.3-0.5 ms of host time per call).  The atomic backward on a tile the provider fuses
+    the GPU works while their numbers reach the host (a sync first left it idle for ~0.3-0.5 ms
+    of host time per call: docs/performance.md).  The atomic backward on a tile the provider fuses
     (``kernel_provider.fuses_preprocess``, :data:`FUSED_PREPROCESS`) launches no preprocess:
     its main kernel does that work (it reads indices, so it still waits for the checks first
     when there is no safe copy).

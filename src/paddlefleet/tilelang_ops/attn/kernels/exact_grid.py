@@ -422,9 +422,9 @@ def rerun_slots(threads: int = 256, rounds: int = 8, block: int = INDEX_PAD):
 
     A warp per row, ``threads / 32`` rows per CTA, no CTA barrier: each lane loads ``rounds``
     slots of a pass and their keys' flags first (independent loads), then per round a warp
-    ballot gives each flagged slot its place.  (Run 68: with a re-run key, the former kernel,
-    a CTA walking 8 rows with two CTA barriers per pass and ``-1`` written over every row's
-    whole tail, took 60 us at ``fleet`` where it finds two slots.)
+    ballot gives each flagged slot its place.  (A CTA walking 8 rows with two CTA barriers per
+    pass and ``-1`` written over every row's whole tail took 60 us at ``fleet`` where it finds
+    two slots: docs/log.md.)
 
     ``AnyOver [B] int32`` (from :func:`rerun_plan`): a row of a batch with no re-run key
     (``AnyOver[b] = 0``; most of the benchmark's calls re-run one or two keys) reads
