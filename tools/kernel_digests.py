@@ -183,8 +183,9 @@ def main(argv=None):
         ap.error("--ptxas needs --src-dir")
     wanted = specs
     if ns.dims:
-        pairs = tuple(tuple(int(x) for x in d.lower().split("x")) for d in ns.dims)
-        wanted = kernels.specs(pairs=pairs)
+        from precompile import parse_dims
+
+        wanted = kernels.specs(pairs=parse_dims(ns.dims))
     done = read(ns.out) if ns.out and Path(ns.out).exists() else {}
     todo = [i for i, (name, args) in enumerate(specs)
             if (name, args) in wanted and not (ns.only and name not in ns.only)
