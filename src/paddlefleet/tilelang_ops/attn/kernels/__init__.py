@@ -1,5 +1,9 @@
 """TileLang kernels of sparse MQA-latent attention (no framework import), and their registry.
 
+Every kernel is built for each (Dk, Dv) of :data:`D_PAIRS` from one source: the rope tail
+(``Dk - Dv`` columns of the query and key only) is a static choice, and at ``Dk = Dv`` no tail
+buffer, copy, GEMM or dKV chunk is built (the value is the whole gathered row).
+
 One kernel per file, in launch order:
 
 * ``value_stats.value_stats``: the wrappers' value checks (index range, NaN/+inf sinks, NaN
@@ -26,7 +30,9 @@ deterministic mode's rounding and bound), ``async_copy`` (TMA and ``cp.async`` c
 
 :func:`build` maps a kernel name and its static arguments to the compiled kernel and
 :func:`specs` lists every specialisation the host wrappers launch: the provider in
-``attn/interface.py``, ``tools/precompile.py`` and the compile tests all use these two, with the
+``attn/kernel_provider.py`` (which keys each kernel by its tensors' last dimensions, so the
+(Dk, Dv) pair of the inputs picks the specialisation), ``tools/precompile.py`` and the compile
+tests all use these two, with the
 static arguments from :func:`main_args`, :func:`pre_args`, :func:`grid_rows_args` and
 :func:`finish_args`.  Every kernel compiles with ``settings.PASS_CONFIGS``.  :func:`lower`
 lowers one specialisation for ``settings.TARGET`` without a GPU (tests, tools), and
