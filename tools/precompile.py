@@ -49,9 +49,12 @@ def parse_dims(dims):
     if dims is None:
         return None
     try:
-        return tuple(tuple(int(x) for x in d.lower().split("x", 1)) for d in dims)
+        pairs = tuple(tuple(int(x) for x in d.lower().split("x")) for d in dims)
     except ValueError:
-        raise SystemExit(f"--dims: pairs as DKxDV (e.g. 576x512), got {dims}") from None
+        pairs = ()
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--dims: pairs as DKxDV (e.g. 576x512), got {dims}")
+    return pairs
 
 
 def lower(name, args, pass_configs=None):
