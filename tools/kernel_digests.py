@@ -38,6 +38,9 @@ sys.path.insert(0, str(ROOT / "src"))
 #: named in an order that follows Python's string hashing (``PYTHONHASHSEED``): the same kernel
 #: lowered twice may use ``workspace_1`` where it used ``workspace_2`` before, both at the same
 #: offset.  The digest is taken with each such name replaced by its offset in shared memory.
+#: Not covered: two such workspaces of one size may also trade offsets between runs of the same
+#: tree (the one-role forward's row-max and block-sum reductions, seen on an untouched tree): a
+#: "CHANGED" whose ``--src-dir`` diff is only that swap is no change.
 _WORKSPACE = re.compile(r"void\* (workspace(?:_\d+)?) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem "
                         r"\+ (\d+)\)\);")
 
