@@ -47,15 +47,16 @@ def test_key_blocks_divide_index_pad():
     assert [tiling.padded_topk(L) for L in (1, 64, 65, 100, 2048)] == [64, 64, 128, 128, 2048]
 
 
-def test_dkv_column_order_is_the_wgmma_fragment_in_float4s():
-    """The 64-head tiles' dKV accumulator order: a bijection on each key row (576 columns), its
-    inverse is dkv_source_column, and the columns a thread of the wgmma accumulator holds, 2 q +
-    {0, 1, 8, 9} of every 16 (q = lane % 4), land in 4 contiguous floats at 16 c + 4 q: each lane
-    adds one 16-byte float4 and the four lanes of a row 64 contiguous bytes."""
-    cols = [tiling.dkv_column(c) for c in range(576)]
-    assert sorted(cols) == list(range(576))
-    assert [tiling.dkv_source_column(p) for p in cols] == list(range(576))
-    for c16 in range(0, 576, 16):
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_dkv_column_order_is_the_wgmma_fragment_in_float4s(d_qk):
+    """The 64-head tiles' dKV accumulator order: a bijection on each key row (Dk columns, 576 or
+    512), its inverse is dkv_source_column, and the columns a thread of the wgmma accumulator
+    holds, 2 q + {0, 1, 8, 9} of every 16 (q = lane % 4), land in 4 contiguous floats at 16 c +
+    4 q: each lane adds one 16-byte float4 and the four lanes of a row 64 contiguous bytes."""
+    cols = [tiling.dkv_column(c) for c in range(d_qk)]
+    assert sorted(cols) == list(range(d_qk))
+    assert [tiling.dkv_source_column(p) for p in cols] == list(range(d_qk))
+    for c16 in range(0, d_qk, 16):
         for q in range(4):
             got = [tiling.dkv_column(c16 + 2 * q + k) for k in (0, 1, 8, 9)]
             assert got == [c16 + 4 * q + k for k in range(4)]

@@ -7,6 +7,8 @@ CUDA source, so an identical digest means an identical kernel.
     python tools/kernel_digests.py --out before.txt            # every spec of kernels.specs()
     python tools/kernel_digests.py --only bwd_main --out x.txt  # one kernel name
     python tools/kernel_digests.py --compare before.txt after.txt
+    python tools/kernel_digests.py --dims 512x512 --src-dir cu/ --ptxas regs.txt  # one pair,
+                                                              # and ptxas' registers and spills
 
 Each line is ``name args -> sha256`` (args as ``repr``).  Lowering runs for ``settings.TARGET``
 (sm_90a) and needs no GPU; it takes seconds to a minute per specialisation, so ``--out`` is
@@ -36,6 +38,9 @@ sys.path.insert(0, str(ROOT / "src"))
 #: named in an order that follows Python's string hashing (``PYTHONHASHSEED``): the same kernel
 #: lowered twice may use ``workspace_1`` where it used ``workspace_2`` before, both at the same
 #: offset.  The digest is taken with each such name replaced by its offset in shared memory.
+#: Not covered: two such workspaces of one size may also trade offsets between runs of the same
+#: tree (the one-role forward's row-max and block-sum reductions, seen on an untouched tree): a
+#: "CHANGED" whose ``--src-dir`` diff is only that swap is no change.
 _WORKSPACE = re.compile(r"void\* (workspace(?:_\d+)?) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem "
                         r"\+ (\d+)\)\);")
 
@@ -52,15 +57,60 @@ def canonical(src: str) -> str:
 def digest(name: str, args: tuple, src_dir=None) -> str:
     """sha256 (hex) of the CUDA source ``kernels.lower(name, args)`` produces, workspaces named
     by offset (:func:`canonical`); that source also into ``src_dir/<sha256>.cu`` when given (to
-    diff two runs' kernels)."""
+    diff two runs' kernels), and TileLang's own into ``<sha256>.raw.cu`` (the one to compile:
+    two workspaces may share an offset, and then a name, in the canonical one)."""
     from paddlefleet.tilelang_ops.attn import kernels
 
-    src = canonical(kernels.lower(name, args).kernel_source)
+    raw = kernels.lower(name, args).kernel_source
+    src = canonical(raw)
     sha = hashlib.sha256(src.encode()).hexdigest()
     if src_dir:
         Path(src_dir).mkdir(parents=True, exist_ok=True)
         (Path(src_dir) / f"{sha}.cu").write_text(src)
+        (Path(src_dir) / f"{sha}.raw.cu").write_text(raw)
     return sha
+
+
+def nvcc_cubin(cu, cubin, timeout=600):
+    """Compile the lowered CUDA source ``cu`` to ``cubin`` for sm_90a with nvcc (``-Xptxas -v``,
+    TileLang's and CUTLASS's headers) and return ``subprocess.CompletedProcess`` (ptxas' report
+    in ``.stderr``).  The compile test and ``--ptxas`` use this one command line."""
+    import tilelang
+
+    tl_dir = Path(tilelang.__file__).resolve().parent
+    cmd = ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++17", "-Xptxas", "-v",
+           f"-I{tl_dir / 'src'}", f"-I{tl_dir / '3rdparty/cutlass/include'}",
+           "-o", str(cubin), str(cu)]
+    if os.path.exists("/usr/bin/g++"):
+        cmd.insert(1, "-ccbin=/usr/bin/g++")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_stats(stderr: str) -> dict:
+    """``{"regs", "spill_st", "spill_ld", "c7514"}`` from ``nvcc -Xptxas -v``'s report of one
+    kernel (``c7514``: ptxas serialised the kernel's wgmmas)."""
+    regs, spills = _REGS.findall(stderr), _SPILL.findall(stderr)
+    if not regs or not spills:
+        raise ValueError(f"no ptxas register report in: {stderr[-2000:]}")
+    return {"regs": int(regs[-1]), "spill_st": int(spills[-1][0]),
+            "spill_ld": int(spills[-1][1]), "c7514": "C7514" in stderr}
+
+
+def _ptxas_line(key, sha, src_dir) -> str:
+    import tempfile
+
+    cu = Path(src_dir) / f"{sha}.raw.cu"
+    with tempfile.TemporaryDirectory() as tmp:
+        res = nvcc_cubin(cu, Path(tmp) / "k.cubin")
+    if res.returncode != 0:
+        return f"{key} | nvcc failed: {res.stderr.strip().splitlines()[-1:]}"
+    st = ptxas_stats(res.stderr)
+    return (f"{key} | regs {st['regs']}, spill {st['spill_st']}/{st['spill_ld']} B"
+            f"{', C7514' if st['c7514'] else ''}")
 
 
 def read(path) -> dict:
@@ -115,6 +165,12 @@ def main(argv=None):
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--src-dir", help="also write each kernel's CUDA source here")
     ap.add_argument("--jobs", type=int, default=2, help="specialisations lowered at once")
+    ap.add_argument("--dims", nargs="+", metavar="DKxDV",
+                    help="(Dk, Dv) pairs to digest, e.g. 576x512 512x512 (default: every pair "
+                         "of kernels.D_PAIRS)")
+    ap.add_argument("--ptxas", metavar="FILE",
+                    help="also compile each digested source (needs --src-dir) with nvcc and "
+                         "write its registers, spill stores/loads and C7514 to FILE")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.compare:
@@ -126,17 +182,43 @@ def main(argv=None):
         name, args = specs[ns.child]
         print(f"{name} {args!r} -> {digest(name, args, ns.src_dir)}")
         return 0
+    if ns.ptxas and not ns.src_dir:
+        ap.error("--ptxas needs --src-dir")
+    wanted = specs
+    if ns.dims:
+        from precompile import parse_dims
+
+        wanted = kernels.specs(pairs=parse_dims(ns.dims))
     done = read(ns.out) if ns.out and Path(ns.out).exists() else {}
     todo = [i for i, (name, args) in enumerate(specs)
-            if not (ns.only and name not in ns.only) and f"{name} {args!r}" not in done]
+            if (name, args) in wanted and not (ns.only and name not in ns.only)
+            and f"{name} {args!r}" not in done]
     sink = open(ns.out, "a") if ns.out else None
+    regs = open(ns.ptxas, "a") if ns.ptxas else None
+    failed = 0
+
+    def one(i):
+        try:
+            return _digest_in_child(i, ns.src_dir)
+        except RuntimeError as e:  # reported, and the other specialisations go on
+            return f"{specs[i][0]} {specs[i][1]!r}", None, str(e)
+
     with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
-        for key, sha, dt in pool.map(lambda i: _digest_in_child(i, ns.src_dir), todo):
+        for key, sha, dt in pool.map(one, todo):
+            if sha is None:
+                failed += 1
+                print(f"FAILED {key}: {dt[-1500:]}", flush=True)
+                continue
             print(f"{key} -> {sha}  ({dt:.0f}s)", flush=True)
             if sink:
                 sink.write(f"{key} -> {sha}\n")
                 sink.flush()
-    return 0
+            if regs:
+                line = _ptxas_line(key, sha, ns.src_dir)
+                print(line, flush=True)
+                regs.write(line + "\n")
+                regs.flush()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

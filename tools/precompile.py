@@ -7,6 +7,7 @@ pytest would take minutes.  This tool builds them in a process pool that shares
     python tools/precompile.py                  # compile all (GPU host), 16 workers
     python tools/precompile.py --lower-only     # lower for sm_90a only (any CPU machine)
     python tools/precompile.py --heads 64 --jobs 4
+    python tools/precompile.py --dims 512x512     # one (Dk, Dv) pair only
 
 Specialisations: ``paddlefleet.tilelang_ops.attn.kernels.specs``, the ones the wrappers
 launch: the forward, the backward preprocess per lse format, and the main backward in its three
@@ -15,7 +16,8 @@ one only with the preprocess fused, per lse format) for every head tile in ``--h
 16 32 64, all the tiles ``tiling.head_plan`` can give), the dKV finish, and the exact dKV's
 five bookkeeping kernels (``exact_grid.py``: grid_rows, the deterministic backward's
 preprocess, per lse format; grid_scatter, grid_keys, rerun_plan, rerun_slots, one
-specialisation each; whatever the head tile).  Prints one line per
+specialisation each; whatever the head tile), for every (Dk, Dv) pair in ``--dims``
+(default: all of ``kernels.D_PAIRS``, (576, 512) and (512, 512)).  Prints one line per
 kernel and a summary; exits 1 if any failed.
 """
 
@@ -34,11 +36,25 @@ os.environ.setdefault("TILELANG_CACHE_DIR", str(ROOT / ".tilelang-cache"))
 
 
 
-def kernel_specs(heads=(16, 32, 64)):
-    """``(name, args)`` of every specialisation (``attn.kernels.specs``)."""
+def kernel_specs(heads=(16, 32, 64), pairs=None):
+    """``(name, args)`` of every specialisation (``attn.kernels.specs``) for the head tiles and
+    (Dk, Dv) pairs given (``None``: every pair of ``kernels.D_PAIRS``)."""
     from paddlefleet.tilelang_ops.attn import kernels
 
-    return kernels.specs(tuple(heads))
+    return kernels.specs(tuple(heads), kernels.D_PAIRS if pairs is None else tuple(pairs))
+
+
+def parse_dims(dims):
+    """``["576x512", "512x512"]`` -> ``((576, 512), (512, 512))``; ``None`` stays ``None``."""
+    if dims is None:
+        return None
+    try:
+        pairs = tuple(tuple(int(x) for x in d.lower().split("x")) for d in dims)
+    except ValueError:
+        pairs = ()
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--dims: pairs as DKxDV (e.g. 576x512), got {dims}")
+    return pairs
 
 
 def lower(name, args, pass_configs=None):
@@ -67,8 +83,10 @@ def main(argv=None):
     ap.add_argument("--lower-only", action="store_true")
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--dims", nargs="+", metavar="DKxDV",
+                    help="(Dk, Dv) pairs, e.g. 576x512 512x512 (default: kernels.D_PAIRS)")
     ns = ap.parse_args(argv)
-    specs = kernel_specs(tuple(ns.heads))
+    specs = kernel_specs(tuple(ns.heads), parse_dims(ns.dims))
     t0 = time.time()
     failed = 0
     with ProcessPoolExecutor(max_workers=ns.jobs) as pool:

@@ -40,7 +40,7 @@ def grid_estimate(ops, provider, query, grad_out, pre, delta, lse2, kv, idx, sm_
     A deterministic guess of each key's sum of contributions if attention were uniform: a row
     ``s`` with ``L_s`` valid slots gives each key about ``c_s = 4 / L_s * sqrt(sum_h |dO_sh|^2
     ((sm_scale kv_rms |q_sh|)^2 / Dk + 1 / Dv))`` per column (the per-head terms of
-    ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the 576 columns), in fp64 from
+    ``dS^T Q + P^T dO`` at ``P = 1 / L_s``, 4 for the largest of the Dk columns), in fp64 from
     the bf16 inputs (kernel ``grid_rows``, which streams ``out`` and ``dO`` for the preprocess
     anyway).  The sum over a key's rows ``E_j`` is taken
     in int64 fixed point, in units of ``2^-F`` with ``F = 40 - ceil(log2 max_s c_s)`` (exact,

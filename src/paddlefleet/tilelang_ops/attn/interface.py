@@ -223,7 +223,8 @@ def mqa_latent_sparse_fwd(
             not used; pass the ``attn_sink`` it was prepared with, whose values it checked).
         sm_scale: positive float multiplying ``q.k`` (not the sink).
         attn_sink: ``[H]`` fp32 sink logits, or ``None``.
-        d_v: value width ``Dv``; the kernels are built for ``(Dk, Dv) = (576, 512)``.
+        d_v: value width ``Dv``; the kernels are built for the ``(Dk, Dv)`` pairs of
+            ``tiling.kernel_dims()``: (576, 512) and (512, 512).
         block_h: 16, 32 or ``None`` (32 when it divides ``H``, else 16): head padding
             granularity (``tiling.head_plan``).
         check_indices: check the values (every index in ``[-1, S_kv)``, no NaN/+inf sink, no

@@ -338,9 +338,9 @@ def mqa_latent_sparse_attention(
         # alone (q[:, :100], kv[:, :100]), out[:, 100:] the second (indices shifted by -100)
 
     CUDA limit: the forward on CUDA tensors always runs the TileLang kernel, which is built for
-    ``(Dk, Dv) = (576, 512)`` only (``tiling.kernel_dims()``) and bf16 inputs; DeepSeek-V4's
-    ``(512, 512)`` (``tiling.SUPPORTED_DIMS``) runs on CPU tensors, and on CUDA raises a
-    ``ValueError`` saying its kernels are not built yet.  Any other head
+    the ``(Dk, Dv)`` pairs of ``tiling.kernel_dims()`` only, (576, 512) and DeepSeek-V4's
+    (512, 512) (built and compiled, not yet run on a GPU: ``docs/deepseek_v4.md``), and bf16
+    inputs.  Any other head
     dims on CUDA (e.g. the ``deepseek_v32_small`` preset, Dk 80 / Dv 64) raise ``ValueError``
     in the forward *even with* ``backward_backend="reference"``: there is no reference
     fallback for the CUDA forward.  Run such configs on CPU tensors (reference forward and
@@ -356,7 +356,8 @@ def mqa_latent_sparse_attention(
             ``"tilelang"`` on CPU tensors, ``deterministic`` not a bool or ``None``
             (``TypeError``), or ``None`` with an unreadable ``FLAGS_cudnn_deterministic`` in
             the environment (``ValueError``).  On CUDA also (from the kernel's forward, whatever
-            ``backward_backend``): ``ValueError`` for ``(Dk, Dv) != (576, 512)``.
+            ``backward_backend``): ``ValueError`` for a ``(Dk, Dv)`` not in
+            ``tiling.kernel_dims()``.
             With ``cu_seqlens``: ``TypeError`` when it is not an int32 tensor/array;
             ``ValueError`` when it is not 1-D with >= 2 entries, does not start at 0, decreases,
             does not end at ``S``, when ``B != 1`` or ``S_kv != S``, or when an index points

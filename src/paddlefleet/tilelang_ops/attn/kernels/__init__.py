@@ -1,5 +1,9 @@
 """TileLang kernels of sparse MQA-latent attention (no framework import), and their registry.
 
+Every kernel is built for each (Dk, Dv) of :data:`D_PAIRS` from one source: the rope tail
+(``Dk - Dv`` columns of the query and key only) is a static choice, and at ``Dk = Dv`` no tail
+buffer, copy, GEMM or dKV chunk is built (the value is the whole gathered row).
+
 One kernel per file, in launch order:
 
 * ``value_stats.value_stats``: the wrappers' value checks (index range, NaN/+inf sinks, NaN
@@ -26,7 +30,9 @@ deterministic mode's rounding and bound), ``async_copy`` (TMA and ``cp.async`` c
 
 :func:`build` maps a kernel name and its static arguments to the compiled kernel and
 :func:`specs` lists every specialisation the host wrappers launch: the provider in
-``attn/interface.py``, ``tools/precompile.py`` and the compile tests all use these two, with the
+``attn/kernel_provider.py`` (which keys each kernel by its tensors' last dimensions, so the
+(Dk, Dv) pair of the inputs picks the specialisation), ``tools/precompile.py`` and the compile
+tests all use these two, with the
 static arguments from :func:`main_args`, :func:`pre_args`, :func:`grid_rows_args` and
 :func:`finish_args`.  Every kernel compiles with ``settings.PASS_CONFIGS``.  :func:`lower`
 lowers one specialisation for ``settings.TARGET`` without a GPU (tests, tools), and
@@ -35,9 +41,14 @@ lowers one specialisation for ``settings.TARGET`` without a GPU (tests, tools), 
 
 from .schedule import TwoWarpgroupSchedule, bwd_schedule, two_warpgroup_schedule
 
-#: Head tiles ``tiling.head_plan`` can give, and the (Dk, Dv) the kernels are built for.
+#: Head tiles ``tiling.head_plan`` can give.
 HEAD_TILES = (16, 32, 64)
-D_QK, D_V = 576, 512
+#: The (Dk, Dv) pairs the kernels are built for (the one definition; ``tiling.kernel_dims``
+#: reads it): DeepSeek-V3.2's latent row with its 64-column rope tail, and DeepSeek-V4's, whose
+#: value is the whole row (no tail: every kernel builds the tail's buffers and steps only where
+#: ``Dk > Dv``, a static choice).  ``D_QK, D_V``: the first pair, the ``*_args`` defaults.
+D_PAIRS = ((576, 512), (512, 512))
+D_QK, D_V = D_PAIRS[0]
 
 #: Head tiles whose first backward pass (with dQ) is the two-warpgroup kernel
 #: (``bwd_two_warpgroups``); it can also do the preprocess's work in its prologue (``fused``),
@@ -98,30 +109,43 @@ def finish_args(heads_per_cta: int, deterministic: bool, d_qk: int = D_QK) -> tu
     return (d_qk, dkv_columns_permuted(heads_per_cta), bool(deterministic))
 
 
-def specs(heads=HEAD_TILES) -> list:
-    """``(name, args)`` of every specialisation the wrappers launch, for the head tiles given
-    (the exact dKV's bookkeeping kernels do not depend on the head tile: always listed).  The
-    atomic first pass of :data:`FUSED_TILES` is listed fused only (per lse format): that is
-    the one the wrappers launch."""
+def specs(heads=HEAD_TILES, pairs=D_PAIRS) -> list:
+    """``(name, args)`` of every specialisation the wrappers launch, for the head tiles and
+    (Dk, Dv) pairs given, pair by pair in the order given (a specialisation two pairs share,
+    such as the value checks or the preprocess at one Dv, listed once, with the first).  The
+    exact dKV's bookkeeping kernels do not depend on the head tile: always listed.  The atomic
+    first pass of :data:`FUSED_TILES` is listed fused only (per lse format): that is the one
+    the wrappers launch."""
+    out = []
+    for d_qk, d_v in pairs:
+        for spec in _pair_specs(heads, d_qk, d_v):
+            if spec not in out:
+                out.append(spec)
+    return out
+
+
+def _pair_specs(heads, d_qk: int, d_v: int) -> list:
+    """:func:`specs` for one (Dk, Dv) pair."""
     out = [("value_stats", (True, False)), ("value_stats", (False, False)),
            ("value_stats", (True, True)), ("value_stats", (False, True)),
            # the preprocess per lse format: atomic (where not fused), deterministic (grid_rows)
-           *[("bwd_pre", pre_args(natural)) for natural in (True, False)],
-           *[("grid_rows", grid_rows_args(natural)) for natural in (True, False)],
+           *[("bwd_pre", pre_args(natural, d_v)) for natural in (True, False)],
+           *[("grid_rows", grid_rows_args(natural, d_qk, d_v)) for natural in (True, False)],
            ("grid_scatter", ()), ("grid_keys", ()),
-           ("rerun_plan", (D_QK,)), ("rerun_slots", ())]
+           ("rerun_plan", (d_qk,)), ("rerun_slots", ())]
     for m in heads:
-        out.append(("fwd", (m, D_QK, D_V)))
-        out.append(("bwd_main", main_args(m, True, True)))
-        out.append(("bwd_main", main_args(m, True, False)))
+        out.append(("fwd", (m, d_qk, d_v)))
+        out.append(("bwd_main", main_args(m, True, True, d_qk, d_v)))
+        out.append(("bwd_main", main_args(m, True, False, d_qk, d_v)))
         if m in FUSED_TILES:  # the atomic first pass with the preprocess fused, per lse format
             for natural in (True, False):
-                out.append(("bwd_main", main_args(m, False, True, fused=True, natural=natural)))
+                out.append(("bwd_main", main_args(m, False, True, d_qk, d_v, fused=True,
+                                                  natural=natural)))
         else:
-            out.append(("bwd_main", main_args(m, False, True)))
+            out.append(("bwd_main", main_args(m, False, True, d_qk, d_v)))
         for deterministic in (True, False):
-            if ("bwd_finish", finish_args(m, deterministic)) not in out:
-                out.append(("bwd_finish", finish_args(m, deterministic)))
+            if ("bwd_finish", finish_args(m, deterministic, d_qk)) not in out:
+                out.append(("bwd_finish", finish_args(m, deterministic, d_qk)))
     return out
 
 

@@ -5,7 +5,8 @@ blocks of ``BK``; per block it gathers the latent rows through clamped indices, 
 ``P = exp2(s * sm_scale * log2(e) - lse2)`` (``lse2`` base-2, sink-inclusive, finite), then
 ``dP = dO V^T``, ``dS = P (dP - Delta) sm_scale``, ``dQ += dS K`` (registers, written once at
 the end: deterministic) and ``dKV_blk = dS^T Q + P^T dO`` (the second term on the first ``Dv``
-columns) in column chunks, each staged in shared memory and scattered into the fp32
+columns: every column when ``Dk = Dv``, DeepSeek-V4, where the value is the whole row and no
+rope-tail buffer, GEMM or chunk is built) in column chunks, each staged in shared memory and scattered into the fp32
 accumulator with 16-byte atomics.  The 64-head tiles' first pass is ``bwd_two_warpgroups``;
 the registry (``kernels/__init__.py``) picks the kernel per head tile.
 
@@ -82,13 +83,16 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
     are wgmma.)
     """
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
-    assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
+    assert d_qk >= d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     threads, num_stages = schedule.threads, schedule.num_stages
     block_k, dkv_chunk, dkv_transposed = (schedule.block_k, schedule.dkv_chunk,
                                           schedule.dkv_transposed)
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
+    # static (a Python bool, resolved while tracing): without a rope tail its buffers are None
+    # and its copies, GEMMs and scatter are not built (nothing zero-sized reaches TIR)
+    has_tail = d_qk > d_v
     BK = block_k
     CW = dkv_chunk
     # rows padded so the accumulator's stores hit distinct banks (ncu: unpadded was 8-way):
@@ -171,14 +175,14 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
         with T.Kernel(S if with_dq else RERUN_CTAS, B, H_pad // M, threads=threads) as (
                 bx, b_i, g_i):
             Q_shared = T.alloc_shared([M, D], dtype)
-            Q_tail_shared = T.alloc_shared([M, D_tail], dtype)
+            Q_tail_shared = T.alloc_shared([M, D_tail], dtype) if has_tail else None
             dO_shared = T.alloc_shared([M, D], dtype)
             KV_shared = T.alloc_shared([BK, D], dtype)
-            KV_tail_shared = T.alloc_shared([BK, D_tail], dtype)
+            KV_tail_shared = T.alloc_shared([BK, D_tail], dtype) if has_tail else None
             P_shared = T.alloc_shared([M, BK], dtype)
             dS_shared = T.alloc_shared([M, BK], dtype)
             dkv_stage = T.alloc_shared([BK, CW + STAGE_PAD], acc_t)
-            dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t)
+            dkv_tail_stage = T.alloc_shared([BK, D_tail + STAGE_PAD], acc_t) if has_tail else None
             inv_grid = T.alloc_shared([BK], acc_t)
             u_stage = T.alloc_shared([BK], acc_t)
             valid = T.alloc_fragment([BK], "bool")
@@ -186,9 +190,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
             acc_p = T.alloc_fragment([M, BK], acc_t)
             acc_dp = T.alloc_fragment([M, BK], acc_t)
             acc_dq = T.alloc_fragment([M, D], acc_t)
-            acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t)
+            acc_dq_tail = T.alloc_fragment([M, D_tail], acc_t) if has_tail else None
             acc_dkv = T.alloc_fragment(dkv_shape(CW), acc_t)
-            acc_dkv_tail = T.alloc_fragment(dkv_shape(D_tail), acc_t)
+            acc_dkv_tail = T.alloc_fragment(dkv_shape(D_tail), acc_t) if has_tail else None
             # running max |c / g| per (slot, 4-column group), taken while scattering and reduced
             # once per block (a reduce straight from the GEMM's accumulator layout does not lower)
             u_cols = T.alloc_fragment([BK, CW // 4], acc_t)
@@ -231,11 +235,13 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                     # loads nothing (the empty re-run's tile loads cost 0.16 ms)
                     if with_dq or cnt_s[r] > 0:
                         T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-                        T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+                        if has_tail:
+                            T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
                         T.copy(dO[b_i, s_i, h0:h0 + M, :], dO_shared)
                     if with_dq:
                         T.clear(acc_dq)
-                        T.clear(acc_dq_tail)
+                        if has_tail:
+                            T.clear(acc_dq_tail)
                     num_blocks = L // BK if with_dq else T.ceildiv(cnt_s[r], BK)
 
                     for k_i in T.Pipelined(num_blocks, num_stages=num_stages):
@@ -244,9 +250,10 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                         # clamped gather: a -1 slot reads row 0; its score is masked to -inf (P = 0)
                         for j, d in T.Parallel(BK, D):
                             KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
-                        for j, d in T.Parallel(BK, D_tail):
-                            KV_tail_shared[j, d] = KV[
-                                b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), D + d]
+                        if has_tail:
+                            for j, d in T.Parallel(BK, D_tail):
+                                KV_tail_shared[j, d] = KV[
+                                    b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), D + d]
                         if deterministic:
                             for j in T.Parallel(BK):
                                 inv_grid[j] = InvGrid[
@@ -255,8 +262,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                             acc_p[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
                         T.gemm(Q_shared, KV_shared, acc_p, transpose_B=True,
                                policy=T.GemmWarpPolicy.FullCol)
-                        T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
-                               policy=T.GemmWarpPolicy.FullCol)
+                        if has_tail:
+                            T.gemm(Q_tail_shared, KV_tail_shared, acc_p, transpose_B=True,
+                                   policy=T.GemmWarpPolicy.FullCol)
                         for h, j in T.Parallel(M, BK):
                             acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - Lse2[b_i, s_i, h0 + h])
                         T.copy(acc_p, P_shared)
@@ -272,8 +280,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                             # issues the next block's gather here and it lands under the dKV chunks
                             # (with dQ last it was waited for at the top of the next block)
                             T.gemm(dS_shared, KV_shared, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                            T.gemm(dS_shared, KV_tail_shared, acc_dq_tail,
-                                   policy=T.GemmWarpPolicy.FullCol)
+                            if has_tail:
+                                T.gemm(dS_shared, KV_tail_shared, acc_dq_tail,
+                                       policy=T.GemmWarpPolicy.FullCol)
 
                         # dKV in column chunks: a [BK, CW] accumulator instead of [BK, Dk] keeps the
                         # registers under the cap (the whole-row version spilled when deterministic)
@@ -298,29 +307,32 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                                 scatter4(u_cols, r4, dkv_stage, inv_grid, dKV_acc, b_i,
                                          Indices[b_i, s_i, k_i * BK + j], c * CW, j, d4)
 
-                        if dkv_transposed:
-                            # M = 64 splits N over the warpgroups: BK / 2 columns each, so
-                            # TileLang narrows dS_shared's swizzle (64 -> 32 bytes for BK = 32)
-                            # for every GEMM
-                            T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
-                                   policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                        else:
-                            T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
-                                   policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                        stage_rows(dkv_tail_stage, acc_dkv_tail, D_tail)
-                        # same (slot, 4-column) to thread map as the chunks' loop, so that
-                        # u_cols keeps one layout; the tail's 16 column groups use the first 16
-                        for j, d4 in T.Parallel(BK, CW // 4):
-                            if d4 < D_tail // 4:
-                                scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
-                                         Indices[b_i, s_i, k_i * BK + j], D, j, d4)
+                        if has_tail:  # the rope tail's dKV: dS^T Q_tail only
+                            if dkv_transposed:
+                                # M = 64 splits N over the warpgroups: BK / 2 columns each, so
+                                # TileLang narrows dS_shared's swizzle (64 -> 32 bytes for
+                                # BK = 32) for every GEMM
+                                T.gemm(Q_tail_shared, dS_shared, acc_dkv_tail, transpose_A=True,
+                                       policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                            else:
+                                T.gemm(dS_shared, Q_tail_shared, acc_dkv_tail, transpose_A=True,
+                                       policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                            stage_rows(dkv_tail_stage, acc_dkv_tail, D_tail)
+                            # same (slot, 4-column) to thread map as the chunks' loop, so that
+                            # u_cols keeps one layout; the tail's 16 column groups use the
+                            # first 16
+                            for j, d4 in T.Parallel(BK, CW // 4):
+                                if d4 < D_tail // 4:
+                                    scatter4(u_cols, r4, dkv_tail_stage, inv_grid, dKV_acc, b_i,
+                                             Indices[b_i, s_i, k_i * BK + j], D, j, d4)
                         if deterministic:
                             add_key_bounds(u_cols, u_frag, u_stage, Bound, BoundExp, Indices,
                                            b_i, s_i, k_i)
 
                     if with_dq:
                         T.copy(acc_dq, dQ[b_i, s_i, h0:h0 + M, :D])
-                        T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
+                        if has_tail:
+                            T.copy(acc_dq_tail, dQ[b_i, s_i, h0:h0 + M, D:])
                 if not with_dq:
                     T.sync_threads()  # cnt_s is rewritten by the next chunk
 

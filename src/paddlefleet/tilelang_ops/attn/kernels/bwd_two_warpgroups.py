@@ -32,7 +32,9 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
       ``dS K_t``; then it gathers block ``i + 1`` (the left half of the latent columns at once:
       only it reads them; the right half and the rope tail once warpgroup 1 has added its part
       of dQ, ``kv_free``) and, under the gather's latency, adds block ``i``'s last
-      ``wg0_chunks`` dKV chunks (the right half's last if 2, then the rope tail).
+      ``wg0_chunks`` dKV chunks: the rope tail (``dS^T Q_t``) where there is one and the
+      right half's last ``wg0_chunks - 1``; at ``Dk = Dv`` (DeepSeek-V4: no tail, the value
+      is the whole row) the right half's last ``wg0_chunks``.
     * warpgroup 1 (dKV): ``dQ[:, Dv/2:] += dS K_r``; then the block's other dKV chunks, each
       ``[BK, 64] = dS^T Q_c + P^T dO_c``.  With ``overlap`` it holds two accumulators and
       issues chunk ``c + 1``'s GEMMs before it adds chunk ``c``, so that the tensor cores run
@@ -83,7 +85,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
     backward does not fuse it: its ``exact_grid.grid_rows`` is the preprocess, which reads q, O
     and dO once for the grids too.
     """
-    assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v == 64
+    assert heads_per_cta == 64 and d_v % 128 == 0 and d_qk - d_v in (0, 64), "Dk - Dv: 64 or 0"
     assert with_dq, "the re-run without dQ is the one-role kernel's (bwd_main)"
     wg0_chunks, overlap = schedule.wg0_chunks, schedule.overlap
     row_lanes, pred_red = schedule.row_lanes, schedule.pred_red
@@ -91,8 +93,16 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
     D = d_v
     DH = d_v // 2
     D_tail = d_qk - d_v
+    # static (a Python bool, resolved while tracing): without a rope tail its buffers are None
+    # and its copies and GEMMs are not built (nothing zero-sized reaches TIR)
+    has_tail = d_qk > d_v
     BK = 64
     CW = 64
+    # warpgroup 0 adds the block's last wg0_chunks chunks, the rope tail first where there is
+    # one: the right half's last wg0_right of them (576: 0 or 1, 512: 1 or 2); warpgroup 1 the
+    # left half and the rest of the right
+    wg0_right = wg0_chunks - int(has_tail)
+    assert 0 <= wg0_right < DH // CW, "wg0_chunks: the tail and fewer than a half's chunks"
     WG = 128
     dtype = "bfloat16"
     acc_t = "float32"
@@ -135,7 +145,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
     def gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i, k, t):
         # the right half, the rope tail and, if deterministic, the keys' grids (inv[k % 2])
         gather_cols(KV, Indices, K_r, DH, b_i, s_i, k, t)
-        gather_cols(KV, Indices, K_t, D, b_i, s_i, k, t)
+        if has_tail:
+            gather_cols(KV, Indices, K_t, D, b_i, s_i, k, t)
         if deterministic:
             if t < BK:
                 T.ptx_cp_async(T.access_ptr(inv[k % 2, t], "w", 1),
@@ -269,7 +280,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
         # warpgroup 1's chunks in order with overlap: (half tile Q, half tile dO, chunk in the
         # half, column)
         return ([(Q_l, dO_l, c, c * CW) for c in range(DH // CW)]
-                + [(Q_r, dO_r, c, DH + c * CW) for c in range(DH // CW - wg0_chunks + 1)])
+                + [(Q_r, dO_r, c, DH + c * CW) for c in range(DH // CW - wg0_right)])
 
     @T.macro
     def issue_chunk(Q_h, dO_h, c, P_s, dS_s, acc):
@@ -365,12 +376,12 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
             s_i = last_row_first(bx, S)
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
-            Q_t = T.alloc_shared([M, D_tail], dtype)
+            Q_t = T.alloc_shared([M, D_tail], dtype) if has_tail else None
             dO_l = T.alloc_shared([M, DH], dtype)
             dO_r = T.alloc_shared([M, DH], dtype)
             K_l = T.alloc_shared([BK, DH], dtype)
             K_r = T.alloc_shared([BK, DH], dtype)
-            K_t = T.alloc_shared([BK, D_tail], dtype)
+            K_t = T.alloc_shared([BK, D_tail], dtype) if has_tail else None
             P_s = T.alloc_shared([M, BK], dtype)
             dS_s = T.alloc_shared([M, BK], dtype)
             inv = T.alloc_shared([2, BK], acc_t)  # block k's key grids in row k % 2
@@ -395,7 +406,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
             acc_p = T.alloc_fragment([M, BK], acc_t)
             acc_dp = T.alloc_fragment([M, BK], acc_t)
             acc_dq_l = T.alloc_fragment([M, DH], acc_t)
-            acc_dq_t = T.alloc_fragment([M, D_tail], acc_t)
+            acc_dq_t = T.alloc_fragment([M, D_tail], acc_t) if has_tail else None
             acc_dq_r = T.alloc_fragment([M, DH], acc_t)
             lse_f = T.alloc_fragment([M], acc_t)
             delta_f = T.alloc_fragment([M], acc_t)
@@ -445,7 +456,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                         lse_f[h] = Lse2[b_i, s_i, h0 + h]
                         delta_f[h] = Delta[b_i, s_i, h0 + h]
                 T.fill(acc_dq_l, 0)
-                T.fill(acc_dq_t, 0)
+                if has_tail:
+                    T.fill(acc_dq_t, 0)
                 for k in T.serial(NB):
                     for h, j in T.Parallel(M, BK):
                         acc_p[h, j] = T.if_then_else(Indices[b_i, s_i, k * BK + j] >= 0, 0,
@@ -458,7 +470,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                     T.barrier_wait(kr_full[0], k & 1)
                     T.fence_proxy_async()
                     T.wgmma_gemm(Q_r, K_r, acc_p, transpose_B=True)
-                    T.wgmma_gemm(Q_t, K_t, acc_p, transpose_B=True)
+                    if has_tail:
+                        T.wgmma_gemm(Q_t, K_t, acc_p, transpose_B=True)
                     T.gemm(dO_r, K_r, acc_dp, transpose_B=True)
                     for h, j in T.Parallel(M, BK):
                         acc_p[h, j] = T.exp2(acc_p[h, j] * sc[0] - lse_f[h])
@@ -470,7 +483,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                     T.fence_proxy_async()  # read by wgmma (both warpgroups)
                     T.barrier_arrive(pds_full[0])
                     T.wgmma_gemm(dS_s, K_l, acc_dq_l)
-                    T.gemm(dS_s, K_t, acc_dq_t)
+                    if has_tail:
+                        T.gemm(dS_s, K_t, acc_dq_t)
                     T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
                     if k + 1 < NB:
                         gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx)
@@ -481,11 +495,12 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                         gather_right(KV, Indices, InvGrid, K_r, K_t, inv, kr_full, b_i, s_i,
                                      k + 1, tx)
                     own_slot(Indices, inv, slot, inv_l, u_l, b_i, s_i, k, tx)
-                    if wg0_chunks == 2:
+                    if wg0_right > 0:
                         dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w0, w0_e, r4, slot, inv_l,
-                                   u_l, dKV_acc, b_i, DH // CW - 1, 1, DH)
-                    T.gemm(dS_s, Q_t, acc_w0, transpose_A=True, clear_accum=True)
-                    scatter_chunk(acc_w0, w0_e, r4, slot, inv_l, u_l, dKV_acc, b_i, D)
+                                   u_l, dKV_acc, b_i, DH // CW - wg0_right, wg0_right, DH)
+                    if has_tail:
+                        T.gemm(dS_s, Q_t, acc_w0, transpose_A=True, clear_accum=True)
+                        scatter_chunk(acc_w0, w0_e, r4, slot, inv_l, u_l, dKV_acc, b_i, D)
                     if deterministic:
                         slot_max(u_l)
                         if tx % 4 == 0:
@@ -493,7 +508,8 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                                 u_w0[k % 2, slot_row(tx) + 8 * i] = u_l[i]
                         T.barrier_arrive(u_ready[0])
                 T.copy(acc_dq_l, dQ[b_i, s_i, h0:h0 + M, :DH])
-                T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
+                if has_tail:
+                    T.copy(acc_dq_t, dQ[b_i, s_i, h0:h0 + M, D:])
             else:
                 t = tx - WG
                 T.fill(acc_dq_r, 0)
@@ -513,7 +529,7 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                         dkv_chunks(Q_l, dO_l, P_s, dS_s, acc_w1, w1_e, r4, slot, inv_l, u_l,
                                    dKV_acc, b_i, 0, DH // CW, 0)
                         dkv_chunks(Q_r, dO_r, P_s, dS_s, acc_w1, w1_e, r4, slot, inv_l,
-                                   u_l, dKV_acc, b_i, 0, DH // CW - wg0_chunks + 1, DH)
+                                   u_l, dKV_acc, b_i, 0, DH // CW - wg0_right, DH)
                         T.barrier_arrive(pds_free[0])  # the last read of P / dS
                     if deterministic:
                         slot_max(u_l)

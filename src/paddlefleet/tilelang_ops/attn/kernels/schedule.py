@@ -37,7 +37,7 @@ def fwd_schedule() -> FwdSchedule:
     """The shipped forward schedule (every head tile):
 
     * ``block_k = 64``: the 64-head kernel passes ``P`` through the rope tail's buffer, which
-      needs ``BK = Dk - Dv = M``; the one-role kernel's 8 warps need ``M / 16`` rows by
+      needs ``BK = Dk - Dv = M`` (at ``Dk = Dv`` a buffer of its own, ``[M, BK]``); the one-role kernel's 8 warps need ``M / 16`` rows by
       ``BK / 8`` columns of the score GEMM, which 64 gives for 16 and 32 heads alike;
     * ``threads = 256``, ``num_stages = 1``: two warpgroups, and the next block's gather issued
       as soon as the last GEMM that reads the current one is (its shared memory holds one key
@@ -91,8 +91,10 @@ def bwd_schedule(heads_per_cta: int) -> BwdSchedule:
 class TwoWarpgroupSchedule:
     """The 64-head first pass's (``bwd_two_warpgroups.py``).
 
-    wg0_chunks: how many of each key block's nine dKV chunks the scores warpgroup (0) adds,
-        1 (the rope tail) or 2 (also the right half's last); warpgroup 1 adds the others.
+    wg0_chunks: how many of each key block's dKV chunks (nine at (Dk, Dv) = (576, 512), eight
+        at (512, 512)) the scores warpgroup (0) adds: the block's last ones, the rope tail first
+        where there is one; 1 (the rope tail, or at 512 the right half's last) or 2 (also the
+        right half's last, or at 512 its last two); warpgroup 1 adds the others.
     overlap: warpgroup 1 holds two accumulators and issues chunk ``c + 1``'s GEMMs before it
         adds chunk ``c``.
     row_lanes: lanes per key row of a 16-byte atomic, 4 (each lane its own float4s) or 8 (lanes
@@ -114,7 +116,8 @@ class TwoWarpgroupSchedule:
 def two_warpgroup_schedule(deterministic: bool) -> TwoWarpgroupSchedule:
     """The shipped 64-head first-pass schedule, by the determinism decision:
 
-    * atomic (``deterministic=False``): warpgroup 0 adds the rope tail (``wg0_chunks = 1``), the
+    * atomic (``deterministic=False``): warpgroup 0 adds the rope tail (``wg0_chunks = 1``; at
+      ``Dk = Dv``, with no tail, the right half's last chunk: unmeasured on a GPU), the
       dKV warpgroup overlaps its GEMMs with the atomics (``overlap``), eight lanes per key row
       (128-byte pieces reach the L2 faster than 64-byte ones) and predicated reds (the branch
       around each atomic ended a basic block, so ptxas could not hoist the next shuffles);

@@ -100,7 +100,9 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | 
     Args (all static):
         heads_per_cta: ``M``, the heads one CTA handles (16, 32 or 64): 64 builds the
             warp-specialised kernel (:func:`_warp_specialized`), 16 and 32 the one-role one.
-        d_qk: ``Dk`` (576).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail.
+        d_qk: ``Dk`` (576 or 512).  d_v: ``Dv`` (512); ``Dk - Dv`` is the rope tail, none
+            when ``Dk = Dv`` (DeepSeek-V4: RoPE inside the value's columns; the value is then
+            the whole gathered row, and no tail buffer, copy or GEMM is built).
         schedule: :func:`~.schedule.fwd_schedule` when ``None`` (the shipped one); ``L`` must
             be a multiple of its ``block_k``.
 
@@ -110,7 +112,7 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | 
     ``Lse [B, S, H_pad] fp32``.
     """
     assert heads_per_cta in (16, 32, 64), "the head tile is 16, 32 or 64 (tiling.head_plan)"
-    assert d_qk > d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
+    assert d_qk >= d_v and d_v % 64 == 0 and (d_qk - d_v) % 16 == 0, "unsupported Dk/Dv"
     schedule = fwd_schedule() if schedule is None else schedule
     if heads_per_cta == 64:
         return _warp_specialized(heads_per_cta, d_qk, d_v, schedule)
@@ -118,6 +120,9 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | 
     M = heads_per_cta
     D = d_v
     D_tail = d_qk - d_v
+    # a static choice (a Python bool: TileLang resolves the `if` while tracing); without a tail
+    # nothing zero-sized may reach TIR, so its buffers are None and its statements skipped
+    has_tail = d_qk > d_v
     BK = block_k
     dtype = "bfloat16"
     acc_t = "float32"
@@ -140,9 +145,9 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | 
     ):
         with T.Kernel(S, B, H_pad // M, threads=threads) as (s_i, b_i, g_i):
             Q_shared = T.alloc_shared([M, D], dtype)
-            Q_tail_shared = T.alloc_shared([M, D_tail], dtype)
+            Q_tail_shared = T.alloc_shared([M, D_tail], dtype) if has_tail else None
             KV_shared = T.alloc_shared([BK, D], dtype)
-            K_tail_shared = T.alloc_shared([BK, D_tail], dtype)
+            K_tail_shared = T.alloc_shared([BK, D_tail], dtype) if has_tail else None
             P_shared = T.alloc_shared([M, BK], dtype)
             O_shared = T.alloc_shared([M, D], dtype)
             valid = T.alloc_fragment([BK], "bool")
@@ -167,7 +172,8 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | 
             # left m at the floor and every exp2 at 0; the -inf cases are guarded below
             T.fill(row_max, -T.infinity(acc_t))
             T.copy(Q[b_i, s_i, h0:h0 + M, :D], Q_shared)
-            T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
+            if has_tail:
+                T.copy(Q[b_i, s_i, h0:h0 + M, D:], Q_tail_shared)
 
             for k_i in T.Pipelined(L // BK, num_stages=num_stages):
                 for j in T.Parallel(BK):
@@ -175,15 +181,17 @@ def sparse_fwd(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSchedule | 
                 # gather through a clamped address: a -1 slot reads row 0 and is masked below
                 for j, d in T.Parallel(BK, D):
                     KV_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0), d]
-                for j, d in T.Parallel(BK, D_tail):
-                    K_tail_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0),
-                                             D + d]
+                if has_tail:
+                    for j, d in T.Parallel(BK, D_tail):
+                        K_tail_shared[j, d] = KV[b_i, T.max(Indices[b_i, s_i, k_i * BK + j], 0),
+                                                 D + d]
                 for h, j in T.Parallel(M, BK):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity(acc_t))
                 T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True,
                        policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(Q_tail_shared, K_tail_shared, acc_s, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullRow)
+                if has_tail:
+                    T.gemm(Q_tail_shared, K_tail_shared, acc_s, transpose_B=True,
+                           policy=T.GemmWarpPolicy.FullRow)
 
                 softmax_step(acc_s, row_max, row_max_prev, row_sum, blk_sum, alpha, m_shift,
                              scale2)
@@ -211,7 +219,7 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSche
       which it hands to warpgroup 1 through shared memory; ``O_l += P_0 V_0[:, :Dv/2]`` with
       ``P_0`` from registers (an RS wgmma: no shared-memory read of ``P``); once warpgroup 1's
       max of the pair is back, ``P_0`` rescaled to it into shared memory (buffer 0's rope tail,
-      whose scores are done), and ``O_l += P_1 V_1[:, :Dv/2]`` from warpgroup 1's ``P`` (issued
+      whose scores are done; at ``Dk = Dv`` a buffer of its own), and ``O_l += P_1 V_1[:, :Dv/2]`` from warpgroup 1's ``P`` (issued
       with the next pair's scores);
     * warpgroup 1: block ``2i + 1``'s scores, its softmax starting from warpgroup 0's max (so
       the pair's max), ``O_r += P_1 V_1[:, Dv/2:]`` from registers and ``O_r += P_0
@@ -254,13 +262,14 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSche
     D = d_v
     DH = d_v // 2
     D_tail = d_qk - d_v
+    has_tail = d_qk > d_v  # static, as in sparse_fwd
     BK = block_k
-    # warpgroup 0's P goes through buffer 0's rope tail: [BK, D_tail] must be [M, BK]
-    assert BK == M and D_tail == BK, "the rope tail holds P: Dk - Dv = block_k = 64"
+    # warpgroup 0's P goes through buffer 0's rope tail: [BK, D_tail] must be [M, BK]; without
+    # a tail P_0 has a buffer of its own
+    assert BK == M and D_tail in (0, BK), "the rope tail holds P: Dk - Dv = block_k = 64, or 0"
     dtype = "bfloat16"
     acc_t = "float32"
     WG = 128
-    assert M * d_qk // 8 % (3 * WG) == 0
 
     B = T.dynamic("B")
     S = T.dynamic("S")
@@ -295,15 +304,19 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSche
             s_i = last_row_first(bx, S)
             Q_l = T.alloc_shared([M, DH], dtype)
             Q_r = T.alloc_shared([M, DH], dtype)
-            Q_tail = T.alloc_shared([M, D_tail], dtype)
+            Q_tail = T.alloc_shared([M, D_tail], dtype) if has_tail else None
             K_l0 = T.alloc_shared([BK, DH], dtype)
             K_r0 = T.alloc_shared([BK, DH], dtype)
-            K_t0 = T.alloc_shared([BK, D_tail], dtype)
+            K_t0 = T.alloc_shared([BK, D_tail], dtype) if has_tail else None
             K_l1 = T.alloc_shared([BK, DH], dtype)
             K_r1 = T.alloc_shared([BK, DH], dtype)
-            K_t1 = T.alloc_shared([BK, D_tail], dtype)
+            K_t1 = T.alloc_shared([BK, D_tail], dtype) if has_tail else None
             P_1 = T.alloc_shared([M, BK], dtype)
-            P_0 = K_t0  # written once warpgroup 0's scores of the block are done
+            # written once warpgroup 0's scores of the block are done.  Without a tail, a buffer
+            # of its own: wg0 writes P_0 of pair i + 1 after ready_rt0 of i + 1, which the
+            # producer gives after free_rt0 of pair i, which wg1 arrives at after its P_0 V_0
+            # wgmma is done (the chain that protects P_1)
+            P_0 = K_t0 if has_tail else T.alloc_shared([M, BK], dtype)
             m_shared = T.alloc_shared([M], acc_t)  # the running max, handed back and forth
             sum_shared = T.alloc_shared([M], acc_t)
             alpha_shared = T.alloc_shared([M], acc_t)
@@ -382,7 +395,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSche
                     T.barrier_wait(ready_rt0[0], i & 1)
                     T.fence_proxy_async()
                     T.wgmma_gemm(Q_r, K_r0, acc_s0, transpose_B=True)
-                    T.wgmma_gemm(Q_tail, K_t0, acc_s0, transpose_B=True)
+                    if has_tail:
+                        T.wgmma_gemm(Q_tail, K_t0, acc_s0, transpose_B=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_s0, num_regs=M * BK // WG)
                     softmax_step(acc_s0, row_max, row_max_prev, row_sum, blk_sum, alpha,
@@ -436,7 +450,8 @@ def _warp_specialized(heads_per_cta: int, d_qk: int, d_v: int, schedule: FwdSche
                         T.barrier_wait(ready_rt1[0], i & 1)
                         T.fence_proxy_async()
                         T.wgmma_gemm(Q_r, K_r1, acc_s1, transpose_B=True)
-                        T.wgmma_gemm(Q_tail, K_t1, acc_s1, transpose_B=True)
+                        if has_tail:
+                            T.wgmma_gemm(Q_tail, K_t1, acc_s1, transpose_B=True)
                         T.barrier_wait(ready_l1[0], i & 1)
                         T.fence_proxy_async()
                         T.wgmma_gemm(Q_l, K_l1, acc_s1, transpose_B=True)
