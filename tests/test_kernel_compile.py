@@ -483,6 +483,27 @@ def test_compiled_kernel_has_the_merge_off(name, args):
         assert not [n for n, o in lay.items() if n != buf and b0 <= o < b1], buf
 
 
+@pytest.mark.parametrize("kernel", ["exact", "atomic", "atomic_512"])
+def test_two_warpgroup_kernel_retires_ds_k_before_refilling_k_l(kernel):
+    """Warpgroup 0 of the 64-head first pass issues ``dQ_l += dS K_l`` as an async wgmma, then
+    gathers the next block's keys into ``K_l`` by ``cp.async``; it is ``K_l``'s only reader and
+    writer, so no barrier guards it and the wgmma must be retired in between.  At (576, 512) the
+    rope tail's GEMM waited for it; at (512, 512) there is no tail GEMM, and without a wait of
+    its own the refill raced the wgmma (a static review found it: dQ's left half wrong, and
+    not repeatable)."""
+    name, args = {"exact": MAIN64, "atomic": MAIN64_ATOMIC, "atomic_512": SPECS_512[-1]}[kernel]
+    src = _lower(name, args).kernel_source
+    ds_k = re.search(r"initialize_wgmma_descriptor<[^>]*>\(desc_a_\d+, \(&\(\(\(bfloat16_t\*\)dS_s\)"
+                     r"\[0\]\)\)\);\s*tl::initialize_wgmma_descriptor<[^>]*>\(desc_b_\d+, "
+                     r"\(&\(\(\(bfloat16_t\*\)K_l\)\[0\]\)\)\);", src)
+    assert ds_k, "no dS x K_l wgmma found"
+    refill = src.index("cp_async_gs_conditional<16>((&(((bfloat16_t*)K_l)", ds_k.end())
+    # (T.gemm's own wait prints as warpgroup_wait, T.wait_wgmma's as wait_wgmma: one PTX
+    # instruction, wgmma.wait_group 0)
+    assert re.search(r"tl::(warpgroup_wait|wait_wgmma)<0>\(\);", src[ds_k.end():refill]), (
+        src[ds_k.end():refill])
+
+
 @pytest.mark.parametrize("mode", ["exact", "atomic", "atomic_512"])
 def test_two_warpgroup_kernel_scatters_every_dkv_chunk(mode):
     """The 64-head first pass adds each 64-column dKV chunk from the accumulator of the

@@ -1,7 +1,7 @@
 """(Dk, Dv) = (512, 512), DeepSeek-V4's sparse attention (the value is the whole kv row): the
 reference against an fp64 numpy formulation and finite differences, the op on CPU against a
-dense Paddle formulation with autograd, and the kernel wrapper's refusal while the kernels for
-the pair are not built."""
+dense Paddle formulation with autograd, and the kernel wrapper's refusal of the pair when the
+kernel registry does not list it (it does now: ``kernels.D_PAIRS``)."""
 
 from __future__ import annotations
 

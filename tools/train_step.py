@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""A few training steps of the DeepSeek-V3.2-style sparse MLA attention layer.
+"""A few training steps of a sparse attention layer: DeepSeek-V3.2's MLA or DeepSeek-V4's.
 
-Builds the tensor-parallel attention layer (MQALatentAttention) from a config (a preset name
-or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
+Builds the tensor-parallel attention layer (MQALatentAttention, or DeepSeekV4Attention for a V4
+config) from a config (a preset name or a JSON file), then runs forward / backward / AdamW steps on a fixed regression target,
 printing per step the loss, the global gradient norm and the gradient norm of every parameter
 (tensor-parallel shards are combined, so the numbers are the same for any --nproc).  Exits
 with status 1 and one "error: non-finite ..." line as soon as a loss, a gradient or a parameter

@@ -483,8 +483,13 @@ def main(heads_per_cta: int, d_qk: int, d_v: int, deterministic: bool, with_dq: 
                     T.fence_proxy_async()  # read by wgmma (both warpgroups)
                     T.barrier_arrive(pds_full[0])
                     T.wgmma_gemm(dS_s, K_l, acc_dq_l)
+                    # dS K_l must be done before gather_left refills K_l (warpgroup 0 is its
+                    # only reader and writer: no barrier guards it); with a tail, the tail
+                    # GEMM's own wait retires it
                     if has_tail:
                         T.gemm(dS_s, K_t, acc_dq_t)
+                    else:
+                        T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_dq_l, num_regs=M * DH // WG)
                     if k + 1 < NB:
                         gather_left(KV, Indices, K_l, kl_full, b_i, s_i, k + 1, tx)
