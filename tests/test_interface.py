@@ -695,6 +695,44 @@ def test_providers_offer_the_protocol():
             assert list(inspect.signature(getattr(cls, name)).parameters)[2] == "deterministic"
 
 
+def test_provider_keys_are_registry_specialisations():
+    """Every forward and main-backward key the TileLang provider can ask for, at both head-dim
+    pairs, is a specialisation of ``kernels.specs()`` (what precompile builds); the kernel trial
+    tool's variant changes only the key (``fwd_key`` / ``bwd_main_key``), on the 64-head
+    forward and the 32/64-head main backward."""
+    import dataclasses
+    import sys
+
+    from paddlefleet.tilelang_ops.attn import kernel_provider as kp
+    from paddlefleet.tilelang_ops.attn import kernels, tiling
+    from paddlefleet.tilelang_ops.attn.kernels.schedule import fwd_schedule
+
+    specs = {(name,) + tuple(args) for name, args in kernels.specs()}
+    prov = kp.TileLangKernels()
+    pre = kp.FusedPreprocess(True, None, None, None, None)
+    for d_qk, d_v in tiling.kernel_dims():
+        for m in kernels.HEAD_TILES:
+            assert prov.fwd_key(m, d_qk, d_v) in specs
+            for det, with_dq in ((True, True), (True, False), (False, True)):
+                fused = not det and with_dq and m in prov.fused_preprocess_tiles
+                key = prov.bwd_main_key(m, det, with_dq, d_qk, d_v, pre if fused else None)
+                assert key in specs, key
+    sys.path.insert(0, str(REPO_ROOT / "tools" / "experiments"))
+    import kernel_trial
+
+    trial = kernel_trial.Variant(fwd_fields={"consumer_regs": 216},
+                                 bwd_fields={"row_lanes": 4})
+    assert trial.fwd_key(64, 576, 512) == ("fwd", 64, 576, 512,
+                                           dataclasses.replace(fwd_schedule(), consumer_regs=216))
+    assert trial.fwd_key(16, 576, 512) == prov.fwd_key(16, 576, 512)
+    shipped = prov.bwd_main_key(64, False, True, 576, 512, pre)
+    tried = trial.bwd_main_key(64, False, True, 576, 512, pre)
+    assert tried != shipped and tried[-3].row_lanes == 4
+    assert tried[:-3] + tried[-2:] == shipped[:-3] + shipped[-2:]
+    assert trial.bwd_main_key(16, True, True, 576, 512) == prov.bwd_main_key(16, True, True,
+                                                                            576, 512)
+
+
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
 def test_prepared_indices_are_checked_once_and_skip_every_check(fw, index_dtype, monkeypatch):

@@ -546,22 +546,21 @@ class _FirstPassCapture(kernel_provider.TileLangKernels if cuda_available() else
         super().__init__()
         self.one_role, self.passes = one_role, []
 
-    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
-                 counts, dq, acc, bound, bound_exp):
-        args = (q, kv, do, idx, lse2, delta, scale, inv_grid, counts, dq, acc, bound, bound_exp)
+    def bwd_main_key(self, m, deterministic, with_dq, d_qk, d_v, pre=None):
         if self.one_role and m == 64 and with_dq:
             from paddlefleet.tilelang_ops.attn.kernels.schedule import bwd_schedule
 
             # a BwdSchedule picks the one-role kernel (bwd_main): 64-head transposed chunks
-            key = ("bwd_main", m, int(q.shape[-1]), int(do.shape[-1]), bool(deterministic), True,
-                   bwd_schedule(m))
-            self._kernel(key)(*args)
-        else:
-            super().bwd_main(m, deterministic, with_dq, *args)
+            return ("bwd_main", m, d_qk, d_v, bool(deterministic), True, bwd_schedule(m))
+        return super().bwd_main_key(m, deterministic, with_dq, d_qk, d_v, pre)
+
+    def bwd_main(self, m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                 counts, dq, acc, bound, bound_exp):
+        super().bwd_main(m, deterministic, with_dq, q, kv, do, idx, lse2, delta, scale, inv_grid,
+                         counts, dq, acc, bound, bound_exp)
         if with_dq and deterministic:
             torch.cuda.synchronize()
             self.passes.append([t.clone() for t in (dq, acc, bound, bound_exp)])
-
 
 @pytest.mark.parametrize("case", [
     dict(B=1, S=40, S_kv=200, H=64, L=150, sink=True, empty_rows=(7,)),  # 3 key blocks: odd

@@ -144,8 +144,13 @@ class TileLangKernels:
             kernel = self._kernels[key] = kernels.build(key[0], key[1:])
         return kernel
 
+    def fwd_key(self, heads_per_cta, d_qk, d_v) -> tuple:
+        """The registry key (``kernels.build``'s name and arguments) of the forward; a subclass
+        that tries another schedule changes the key only."""
+        return ("fwd", heads_per_cta, d_qk, d_v)
+
     def fwd(self, heads_per_cta, q, kv, indices, sink, scale, out, lse):
-        key = ("fwd", heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
+        key = self.fwd_key(heads_per_cta, int(q.shape[-1]), int(out.shape[-1]))
         self._kernel(key)(q, kv, indices, sink, scale, out, lse)
 
     def value_stats(self, token_indices, attn_sink, lse, s_kv):
@@ -183,14 +188,19 @@ class TileLangKernels:
         key = ("bwd_pre",) + pre_args(natural, int(out.shape[-1]))
         self._kernel(key)(out, grad_out, lse, sink, delta, lse2, d_sink_rows)
 
-    def bwd_main(self, heads_per_cta, deterministic, with_dq, q, kv, grad_out, indices, lse2,
-                 delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
+    def bwd_main_key(self, heads_per_cta, deterministic, with_dq, d_qk, d_v, pre=None) -> tuple:
+        """The registry key of the main backward (``pre``: the fused preprocess's inputs, or
+        ``None``); a subclass that tries another schedule changes the key only."""
         from .kernels import main_args
 
-        key = ("bwd_main",) + main_args(heads_per_cta, bool(deterministic), bool(with_dq),
-                                        int(q.shape[-1]), int(grad_out.shape[-1]),
-                                        fused=pre is not None,
-                                        natural=pre is None or pre.natural)
+        return ("bwd_main",) + main_args(heads_per_cta, bool(deterministic), bool(with_dq), d_qk,
+                                         d_v, fused=pre is not None,
+                                         natural=pre is None or pre.natural)
+
+    def bwd_main(self, heads_per_cta, deterministic, with_dq, q, kv, grad_out, indices, lse2,
+                 delta, scale, inv_grid, counts, dq, dkv_acc, bound, bound_exp, pre=None):
+        key = self.bwd_main_key(heads_per_cta, deterministic, with_dq, int(q.shape[-1]),
+                                int(grad_out.shape[-1]), pre)
         args = (q, kv, grad_out, indices, lse2, delta, scale, inv_grid, counts, dq, dkv_acc,
                 bound, bound_exp)
         if pre is None:
